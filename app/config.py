@@ -1,0 +1,349 @@
+"""One typed config tree for a Relay run.
+
+Built from dataclasses as an OmegaConf structured config, so an unknown key or a value of the wrong type
+fails at load; `validate()` then checks ranges and choices with messages that name the key and the fix.
+Importing this module imports neither torch, Ray nor vLLM.
+
+Precedence: dataclass defaults < `--config FILE.yaml` (or a preset name from `configs/`) < `key=value`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ConfigTypeError, ValidationError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+MODES = ("sync", "one_step_off")
+LOSS_AGG = ("token_mean", "seq_mean")
+KL_KINDS = ("k1", "k3", "low_var_kl")
+TRUNCATION = ("drop", "error")
+BACKENDS = ("auto", "gloo", "nccl")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """A local HF checkpoint folder, or `builtin:tiny` to build (once, cached) the embedded tiny model."""
+    dtype: str = "float32"
+    """Parameter dtype of trainer and replicas: float32 on CPU, bfloat16 on GPU."""
+    cache_dir: str = ".cache/relay"
+    """Where the embedded model and task are built and cached."""
+
+
+@dataclass
+class DataConfig:
+    train: str = "builtin:arith"
+    """`builtin:arith`, or a .parquet (verl layout) / .jsonl (`{"prompt", "answer"}`) file."""
+    val: str = "builtin:arith"
+    """Validation split: `builtin:arith` (its held-out split) or a file like `train`."""
+    max_prompt_tokens: int = 64
+    """Prompts longer than this are handled per `truncation`."""
+    truncation: str = "drop"
+    """`drop`: skip overlong prompts and count them; `error`: fail on the first one, naming its row."""
+    val_size: int = 64
+    """Number of validation prompts used at each validation."""
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    """Samples per prompt (the GRPO group)."""
+    max_tokens: int = 8
+    """Maximum response tokens."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: float = 16.0
+    """Serve autoscaling target per replica (only used when max_replicas > min_replicas)."""
+    replica_cpus: float = 1.0
+    """Logical CPUs (or GPUs on a GPU cluster, see `replica_gpus`) per vLLM replica."""
+    replica_gpus: float = 0.0
+    max_model_len: int = 128
+    kv_cache_gib: float = 1.0
+    """KV-cache size per replica on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 256
+    request_timeout_s: float = 120.0
+    """Deadline for one generation request."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps (= weight versions) of the run."""
+    workers: int = 2
+    """Ray Train workers (FSDP2 ranks)."""
+    worker_cpus: float = 1.0
+    use_gpu: bool = False
+    batch_groups: int = 16
+    """Prompt groups per optimizer step (each of `rollout.n` samples)."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward on one worker."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    backend: str = "auto"
+    """Default process group of the trainer: gloo on CPU, nccl on GPU."""
+    activation_checkpointing: bool = False
+    seed: int = 0
+    timeout_s: float = 300.0
+    """Timeout of the trainer's collectives and of each wait for a rollout batch."""
+
+
+@dataclass
+class AlgorithmConfig:
+    mode: str = "sync"
+    """`sync` (generate with version t, train, push) or `one_step_off` (generation of t+1 overlaps training)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: str = "token_mean"
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the initial policy (0 disables it and the reference model)."""
+    kl_kind: str = "low_var_kl"
+    normalize_adv_std: bool = True
+    max_log_ratio: float = 20.0
+    """Log-ratios are clamped to +-this before exp()."""
+    val_every: int = 10
+    """Validate every this many versions (and at the first and last)."""
+    val_temperature: float = 0.0
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: float = 64.0
+    """Weights are packed into flat buckets of at most this many MiB per broadcast."""
+    timeout_s: float = 60.0
+    """Deadline of one push: transfer, load and every replica's acknowledgement."""
+    backend: str = "auto"
+    """Transport of the weight group: gloo on CPU, nccl on GPU."""
+    verify: bool = True
+    """Compare every replica's checksum of what it loaded with the trainer's."""
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "auto"
+    """`auto` (per data source), `exact_match`, `gsm8k`, or a dotted path `pkg.module:function`/`pkg.module.function`."""
+    timeout_s: float = 10.0
+    """Deadline for one reward computation; a timeout scores `on_error`."""
+    on_error: float = 0.0
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = ""
+    """MLflow tracking URI; empty means a local store under `run_dir`/mlruns."""
+    experiment: str = "relay"
+    run_name: str = ""
+    log_samples: int = 8
+    """Sample generations logged as a table at each validation."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Ray address; empty starts (or joins) a local cluster."""
+    num_cpus: int = 16
+    """Logical CPUs of a local cluster (more than cores: requests are fractional)."""
+
+
+@dataclass
+class RelayConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    run_dir: str = "runs"
+    """Where run outputs go (MLflow store, resolved config, final checkpoint)."""
+    seed: int = 0
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key and what would be valid."""
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in fields(cls):
+        name = f"{prefix}{f.name}"
+        out.append(name)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            out.extend(_keys(type(default), name + "."))
+    return out
+
+
+ALL_KEYS = _keys(RelayConfig)
+
+
+def _explain(exc: Exception, key: str | None = None) -> ConfigError:
+    key = key or getattr(exc, "full_key", None) or "?"
+    msg = str(exc).split("\n")[0]
+    if isinstance(exc, ConfigKeyError) or "not in struct" in msg or ("Key '" in msg and "not" in msg):
+        close = difflib.get_close_matches(key, ALL_KEYS, n=3, cutoff=0.5)
+        section = key.rsplit(".", 1)[0] if "." in key else ""
+        valid = [k for k in ALL_KEYS if k.rsplit(".", 1)[0] == section and k.count(".") == key.count(".")]
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        return ConfigError(f"unknown config key '{key}'.{hint} Valid keys here: {', '.join(valid)}")
+    return ConfigError(f"invalid value for '{key}': {msg}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"invalid value for '{key}': {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check(key: str, ok: bool, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid value for '{key}': {what}")
+
+
+def validate(cfg: RelayConfig | DictConfig) -> None:
+    """Range and choice checks that types alone cannot express."""
+    _check_choice("algorithm.mode", cfg.algorithm.mode, MODES)
+    _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGG)
+    _check_choice("algorithm.kl_kind", cfg.algorithm.kl_kind, KL_KINDS)
+    _check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
+    _check_choice("train.backend", cfg.train.backend, BACKENDS)
+    _check_choice("sync.backend", cfg.sync.backend, BACKENDS)
+    _check_choice("model.dtype", cfg.model.dtype, DTYPES)
+    _check("train.steps", cfg.train.steps >= 1, f"{cfg.train.steps}; must be >= 1")
+    _check("train.workers", cfg.train.workers >= 1, f"{cfg.train.workers}; must be >= 1")
+    _check("train.batch_groups", cfg.train.batch_groups >= 1, f"{cfg.train.batch_groups}; must be >= 1")
+    _check("train.micro_batch_size", cfg.train.micro_batch_size >= 1, "must be >= 1")
+    _check("train.lr", cfg.train.lr > 0, f"{cfg.train.lr}; must be > 0")
+    _check("train.betas", len(cfg.train.betas) == 2, "must be two numbers, e.g. [0.9,0.99]")
+    _check("rollout.n", cfg.rollout.n >= 2, f"{cfg.rollout.n}; GRPO needs at least 2 samples per prompt")
+    _check("rollout.max_tokens", cfg.rollout.max_tokens >= 1, "must be >= 1")
+    _check("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for training rollouts")
+    _check("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]")
+    _check("rollout.min_replicas", cfg.rollout.min_replicas >= 1, "must be >= 1")
+    _check(
+        "rollout.max_replicas",
+        cfg.rollout.max_replicas >= cfg.rollout.min_replicas,
+        f"{cfg.rollout.max_replicas} is below rollout.min_replicas={cfg.rollout.min_replicas}",
+    )
+    _check(
+        "rollout.max_model_len",
+        cfg.rollout.max_model_len >= cfg.data.max_prompt_tokens + cfg.rollout.max_tokens,
+        f"{cfg.rollout.max_model_len} < data.max_prompt_tokens + rollout.max_tokens "
+        f"({cfg.data.max_prompt_tokens} + {cfg.rollout.max_tokens}); raise it or lower those",
+    )
+    _check("algorithm.clip_low", 0 <= cfg.algorithm.clip_low < 1, "must be in [0, 1)")
+    _check("algorithm.clip_high", cfg.algorithm.clip_high >= 0, "must be >= 0")
+    _check("algorithm.kl_coef", cfg.algorithm.kl_coef >= 0, "must be >= 0")
+    _check("algorithm.val_every", cfg.algorithm.val_every >= 1, "must be >= 1")
+    _check("sync.bucket_mb", cfg.sync.bucket_mb > 0, "must be > 0")
+    _check("sync.timeout_s", cfg.sync.timeout_s > 0, "must be > 0")
+    _check("reward.timeout_s", cfg.reward.timeout_s > 0, "must be > 0")
+    _check("data.max_prompt_tokens", cfg.data.max_prompt_tokens >= 1, "must be >= 1")
+    _check("data.val_size", cfg.data.val_size >= 1, "must be >= 1")
+
+
+def _resolve_config_file(name: str) -> Path:
+    p = Path(name)
+    if p.exists():
+        return p
+    for cand in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
+        if cand.exists():
+            return cand
+    presets = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.exists() else []
+    raise ConfigError(
+        f"config file '{name}' not found; give a path or one of the presets: {', '.join(presets)}"
+    )
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
+    """Defaults < config file < `key=value` overrides, validated. Raises ConfigError with a helpful message."""
+    cfg = OmegaConf.structured(RelayConfig)
+    layers: list[tuple[str, Any]] = []
+    if config_file:
+        path = _resolve_config_file(config_file)
+        try:
+            layers.append((str(path), OmegaConf.load(path)))
+        except Exception as e:  # a YAML syntax error
+            raise ConfigError(f"cannot parse config file {path}: {e}") from e
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=20)")
+        key = item.split("=", 1)[0]
+        if key not in ALL_KEYS:
+            raise _explain(ConfigKeyError(f"Key '{key}' not in struct"), key)
+        try:
+            layers.append((item, OmegaConf.from_dotlist([item])))
+        except Exception as e:
+            raise ConfigError(f"cannot parse override '{item}': {e}") from e
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except (ConfigKeyError, ValidationError, ConfigTypeError) as e:
+            err = _explain(e)
+            raise ConfigError(f"{err} (from {source})") from e
+    validate(cfg)
+    return cfg
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
+    d = to_container(cfg) if isinstance(cfg, DictConfig) else cfg
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def describe() -> list[tuple[str, Any, str]]:
+    """(key, default, doc) for every leaf key, read from the dataclass field docstrings in this file."""
+    import ast
+    import inspect
+
+    docs: dict[tuple[str, str], str] = {}
+    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(stmt.target, ast.Name)
+                    and i + 1 < len(body)
+                ):
+                    nxt = body[i + 1]
+                    if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                        docs[(node.name, stmt.target.id)] = " ".join(str(nxt.value.value).split())
+
+    out: list[tuple[str, Any, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in fields(cls):
+            default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+            if is_dataclass(default):
+                walk(type(default), f"{prefix}{f.name}.")
+            else:
+                out.append((f"{prefix}{f.name}", default, docs.get((cls.__name__, f.name), "")))
+
+    walk(RelayConfig, "")
+    return out

@@ -1,0 +1,170 @@
+"""The driver: wires the roles of one run and returns its result.
+
+    data     the prompt files (or the embedded task) -> rows; the rollouter streams them through Ray Data
+    rollout  a Serve deployment of vLLM replicas; each registers with the weight hub
+    train    a TorchTrainer whose workers run app/train_worker.py's loop (GRPO on FSDP2, weight pushes)
+    track    one MLflow run: params and config here, metrics from trainer rank 0
+
+Everything started here is stopped here, also when the run fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from app.config import flatten, to_container
+from app.data import PromptRow, load_rows
+
+log = logging.getLogger("app.driver")
+
+
+@dataclass
+class Inputs:
+    model_path: str
+    train_rows: list[PromptRow]
+    val_rows: list[PromptRow]
+
+
+def resolve_inputs(cfg: DictConfig) -> Inputs:
+    """The model folder and the prompt rows, building the embedded default where asked."""
+    root = None
+    model_path = cfg.model.path
+    if model_path == "builtin:tiny" or "builtin:" in cfg.data.train or "builtin:" in cfg.data.val:
+        from app.tiny import ensure_builtin
+
+        root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
+    if model_path == "builtin:tiny":
+        model_path = str(root / "model")
+    elif not Path(model_path, "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={model_path!r} is not an HF checkpoint folder (no config.json); "
+            "point it at a local checkpoint or use builtin:tiny"
+        )
+
+    def rows(spec: str, split: str) -> list[PromptRow]:
+        if spec == "builtin:arith":
+            return load_rows(str(root / f"{split}.jsonl"))
+        if spec.startswith("builtin:"):
+            raise ValueError(f"data.{split}={spec!r}: unknown built-in task; available: builtin:arith")
+        return load_rows(spec)
+
+    return Inputs(str(Path(model_path).resolve()), rows(cfg.data.train, "train"), rows(cfg.data.val, "val"))
+
+
+def start_ray(cfg: DictConfig) -> bool:
+    """Connect to (or start) Ray; returns True if this call started a local cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+        return False
+    ray.init(num_cpus=cfg.ray.num_cpus, runtime_env={"env_vars": env}, log_to_driver=True)
+    return True
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """One training run. Returns the RESULT record; raises if the run failed."""
+    import ray
+    from ray import serve
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from app.rollouter import ROLLOUTER_NAME, Rollouter
+    from app.serve_rollout import APP_NAME, HUB_NAME, build_app
+    from app.sync import WeightHub
+    from app.tracking import Tracker, default_uri
+    from app.train_worker import train_worker
+
+    t0 = time.time()
+    inputs = resolve_inputs(cfg)
+    name = cfg.tracking.run_name or time.strftime("relay-%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run_dir).resolve() / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    uri = cfg.tracking.uri or default_uri(cfg.run_dir)
+    tracker = Tracker.start(uri, cfg.tracking.experiment, name, flatten(cfg))
+    tracker.artifact(str(run_dir / "config.yaml"))
+    log.info("run %s: MLflow run %s at %s", name, tracker.run_id, uri)
+
+    started = start_ray(cfg)
+    status = "FAILED"
+    try:
+        hub = ray.remote(WeightHub).options(name=HUB_NAME, num_cpus=0).remote()
+        serve.run(build_app(cfg, inputs.model_path), name=APP_NAME, route_prefix=None)
+        rollouter = (
+            ray.remote(Rollouter)
+            .options(name=ROLLOUTER_NAME, num_cpus=0, max_concurrency=256)
+            .remote(to_container(cfg), inputs.model_path, inputs.train_rows, inputs.val_rows)
+        )
+        ray.get(rollouter.progress.remote(), timeout=300)
+        t = cfg.train
+        trainer = TorchTrainer(
+            train_worker,
+            train_loop_config={
+                "cfg": to_container(cfg),
+                "model_path": inputs.model_path,
+                "run_id": tracker.run_id,
+                "tracking_uri": uri,
+                "run_dir": str(run_dir),
+            },
+            scaling_config=ScalingConfig(
+                num_workers=t.workers, use_gpu=t.use_gpu, resources_per_worker={"CPU": t.worker_cpus}
+            ),
+            torch_config=TorchConfig(
+                backend=None if t.backend == "auto" else t.backend,
+                timeout_s=int(t.timeout_s + cfg.sync.timeout_s + 60),
+            ),
+            run_config=RunConfig(name=name, storage_path=str(run_dir / "ray_train")),
+        )
+        result = trainer.fit()
+        if result.error:
+            raise result.error
+        summary = run_dir / "summary.json"
+        if not summary.exists():
+            raise RuntimeError(f"training ended without writing {summary}")
+        m = json.loads(summary.read_text())
+        status = "FINISHED"
+        out = {
+            "run_id": tracker.run_id,
+            "tracking_uri": uri,
+            "steps": m.get("steps"),
+            "val_reward_first": m.get("val_reward_first"),
+            "val_reward_last": m.get("val_reward_last"),
+            "weight_version": m.get("weight_version"),
+            "final_checkpoint": m.get("final_checkpoint"),
+            "wall_s": round(time.time() - t0, 1),
+        }
+        tracker.metrics({"run/wall_s": out["wall_s"]}, int(m.get("steps") or 0))
+        return out
+    finally:
+        tracker.end(status)
+        _teardown(started, [n for n in ("hub", "rollouter") if n in locals()], locals())
+
+
+def _teardown(started: bool, names: list[str], scope: dict[str, Any]) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception as e:
+        log.warning("serve shutdown: %s", e)
+    for n in names:
+        try:
+            ray.kill(scope[n])
+        except Exception as e:
+            log.warning("killing %s: %s", n, e)
+    if started:
+        ray.shutdown()

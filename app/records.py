@@ -1,0 +1,54 @@
+"""Typed records that cross role boundaries. Every generated token carries the policy version that sampled it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """One response of a group: tokens, behaviour log-probs and per-token policy versions."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str = ""
+    reward: float = 0.0
+    reward_error: str | None = None
+    reward_extras: dict[str, float] = field(default_factory=dict)
+    replica: str = ""
+
+
+@dataclass
+class Group:
+    """All `rollout.n` samples of one prompt: the unit GRPO normalises over and the trainer consumes."""
+
+    uid: str
+    prompt_ids: list[int]
+    answer: str
+    samples: list[Sample]
+    epoch: int = 0
+    prompt_text: str = ""
+
+    @property
+    def min_version(self) -> int:
+        return min((v for s in self.samples for v in s.versions), default=-1)
+
+    @property
+    def max_version(self) -> int:
+        return max((v for s in self.samples for v in s.versions), default=-1)
+
+
+@dataclass
+class Batch:
+    """What the trainer trains on at one step, with the bookkeeping the metrics need."""
+
+    groups: list[Group]
+    generate_s: float = 0.0
+    dropped_overlong: int = 0
+    reward_errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for g in self.groups for s in g.samples)

@@ -1,0 +1,201 @@
+"""Reward functions: built-ins, resolution of `reward.fn`, and a guarded `score()` that never raises.
+
+A reward function takes `(response, answer)` and returns a number (float/int/bool) or a dict of named
+sub-scores with a required `"score"` key; the other entries are reported as extras.
+
+`score()` runs the function in a daemon worker thread with a deadline. A function that hangs is
+abandoned, not killed: its thread keeps running in the background. Rewards that execute untrusted or
+unbounded code and must be killed belong in a subprocess sandbox, a later feature.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import inspect
+import logging
+import math
+import numbers
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], float | dict]
+
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?")
+_AFTER_HASHES = re.compile(r"\s*([-+]?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when `response` equals `answer` after stripping surrounding whitespace, else 0.0 (strict)."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+def _normalize_number(raw: str) -> str | None:
+    """`"$1,234."` -> `"1234"`; None when nothing numeric is left."""
+    s = re.sub(r"[\s,$]", "", raw).rstrip(".").lstrip("+")
+    return s if re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", s) else None
+
+
+def extract_gsm8k(text: str, flexible: bool = False) -> str | None:
+    """The GSM8K final answer: the number right after the last `####`, normalized.
+
+    Commas, `$` and a trailing period are removed (`"#### $1,234."` -> `"1234"`). Returns None when there
+    is no `####` or no number directly follows it. With `flexible=True` and no `####` in the text, the
+    last number anywhere in the text is taken instead (`"the answer is 5"` -> `"5"`).
+    """
+    if "####" in text:
+        m = _AFTER_HASHES.match(text.rsplit("####", 1)[1])
+        return _normalize_number(m.group(1)) if m else None
+    if flexible:
+        found = _NUMBER.findall(text)
+        return _normalize_number(found[-1]) if found else None
+    return None
+
+
+def _as_decimal(s: str | None) -> Decimal | None:
+    if s is None:
+        return None
+    try:
+        return Decimal(s)
+    except InvalidOperation:
+        return None
+
+
+def gsm8k_reward(response: str, answer: str, flexible: bool = False) -> float:
+    """1.0 when the response's `#### N` equals the truth numerically (`72.0` == `72`, `1,234` == `1234`).
+
+    The ground truth may be a full GSM8K solution (`"... #### 72"`) or the plain number (`"72"`). With
+    `flexible=True` a response without `####` is scored on its last number.
+    """
+    truth = _as_decimal(extract_gsm8k(answer, flexible=True))
+    pred = _as_decimal(extract_gsm8k(response, flexible=flexible))
+    return 1.0 if truth is not None and pred is not None and truth == pred else 0.0
+
+
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k_reward}
+
+
+def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
+    """The reward function named by `spec` (the `reward.fn` setting).
+
+    `exact_match`, `gsm8k`, `auto` (gsm8k when `data_source` contains "gsm8k", else exact_match), or a
+    dotted path `pkg.module:function` / `pkg.module.function` to a user function called as
+    `fn(response, answer)`. Raises ValueError naming the spec and the fix when it cannot be resolved.
+    """
+    spec = (spec or "").strip()
+    if spec == "auto":
+        return gsm8k_reward if data_source and "gsm8k" in data_source.lower() else exact_match
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    hint = (
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k' or a dotted path "
+        "'pkg.module:function' to a function importable from the working directory (PYTHONPATH)"
+    )
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    else:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr or not _IDENT.match(module_name) or not _IDENT.match(attr):
+        raise ValueError(f"{hint}; {spec!r} is not of that form")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ValueError(f"{hint}; cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{hint}; module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{hint}; {attr!r} in {module_name!r} is a {type(obj).__name__}, not a function")
+    try:
+        inspect.signature(obj).bind("", "")
+    except TypeError as e:
+        raise ValueError(f"{hint}; {spec} must accept (response, answer): {e}") from e
+    except ValueError:
+        pass  # no introspectable signature (some builtins): accept it
+    return obj
+
+
+@dataclass
+class RewardResult:
+    """Outcome of one guarded reward computation.
+
+    `error` is None on success, else "exception", "timeout" or "invalid" (and `score` is `on_error`);
+    `detail` explains the error; `extras` holds the numeric sub-scores of a dict return.
+    """
+
+    score: float
+    error: str | None = None
+    detail: str = ""
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    return None
+
+
+def _interpret(value: Any, on_error: float) -> RewardResult:
+    extras: dict[str, float] = {}
+    raw = value
+    if isinstance(value, dict):
+        if "score" not in value:
+            keys = sorted(map(str, value))
+            return RewardResult(on_error, "invalid", f"dict return without a 'score' key (keys: {keys})")
+        raw = value["score"]
+        for k, v in value.items():
+            if k != "score" and (f := _finite(v)) is not None:
+                extras[str(k)] = f
+            elif k != "score":
+                log.debug("reward extra %r dropped: %r is not a finite number", k, v)
+    s = _finite(raw)
+    if s is None:
+        return RewardResult(on_error, "invalid", f"score must be a finite number, got {raw!r:.200}")
+    return RewardResult(s, None, "", extras)
+
+
+def score(fn: RewardFn, response: str, answer: str, timeout_s: float, on_error: float) -> RewardResult:
+    """Run `fn(response, answer)` with a deadline of `timeout_s` seconds and never raise.
+
+    Exceptions score `on_error` with error="exception" (logged as a warning); a call still running at
+    the deadline scores `on_error` with error="timeout" and its daemon thread is abandoned (it cannot be
+    killed; use a subprocess sandbox for code execution); NaN/inf or a non-numeric result gives
+    error="invalid". `timeout_s` <= 0 or inf waits without a deadline.
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    name = getattr(fn, "__name__", type(fn).__name__)
+
+    def work() -> None:
+        try:
+            outcome = (True, fn(response, answer))
+        except BaseException as e:  # reported to the caller, never raised here
+            outcome = (False, e)
+        future.set_result(outcome)
+
+    try:
+        threading.Thread(target=work, name=f"reward-{name}", daemon=True).start()
+        wait = timeout_s if 0 < timeout_s < math.inf else None
+        ok, value = future.result(timeout=wait)
+    except concurrent.futures.TimeoutError:
+        log.warning("reward function %s timed out after %ss; scoring %s", name, timeout_s, on_error)
+        return RewardResult(on_error, "timeout", f"{name} did not return within {timeout_s}s")
+    except Exception as e:  # e.g. the thread could not start
+        ok, value = False, e
+    if not ok:
+        detail = f"{type(value).__name__}: {value}"
+        log.warning("reward function %s raised %s; scoring %s", name, detail, on_error)
+        return RewardResult(on_error, "exception", detail)
+    try:
+        return _interpret(value, on_error)
+    except Exception as e:  # a pathological return value (e.g. a dict subclass that raises)
+        return RewardResult(on_error, "invalid", f"{type(e).__name__}: {e}")

@@ -1,0 +1,200 @@
+"""Rollout: a Ray Serve deployment whose replicas each own a vLLM AsyncLLM.
+
+Each replica registers with the weight hub (app/sync.py's WeightHub, run as a named Ray actor) and runs one
+background loop that long-polls it: join a new epoch of the weight group, or receive a push, load it, set
+the engine's weight version and acknowledge with checksums. Generation requests are token-in/token-out and
+return, per sample, the token ids, the sampled tokens' log-probs, the finish reason and the policy version
+of every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from ray import serve
+
+from app import vllm_adapter as vla
+
+log = logging.getLogger(__name__)
+
+HUB_NAME = "relay-weight-hub"
+DEPLOYMENT_NAME = "rollout"
+APP_NAME = "relay-rollout"
+
+
+class RolloutServer:
+    """One rollout replica: a vLLM engine plus its membership of the weight group."""
+
+    async def __init__(
+        self, model_path: str, engine: dict[str, Any], namespace_hub: str = HUB_NAME, poll_s: float = 2.0
+    ) -> None:
+        import ray
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = vla.create_engine(model_path, **engine)
+        self.workers = 1  # tensor parallel size; each worker is one receiver rank
+        self.version = -1  # weights from disk, not yet verified against the trainer's
+        self.epoch = -1
+        self.started = time.time()
+        self.last_error: str | None = None
+        self.hub = ray.get_actor(namespace_hub)
+        self.poll_s = poll_s
+        self.generated_tokens = 0
+        self.busy = asyncio.Lock()  # weight loads and generation do not overlap
+        await vla.set_version(self.engine, self.version)
+        await self.hub.register.remote(self.replica_id, self.workers)
+        self.loop_task = asyncio.get_running_loop().create_task(self._sync_loop())
+
+    # ------------------------------------------------------------ generation
+
+    async def generate(self, req: dict[str, Any]) -> dict[str, Any]:
+        """req: prompt_ids, n, max_tokens, temperature, top_p, seed (optional)."""
+        samples = await vla.generate(
+            self.engine,
+            req["prompt_ids"],
+            n=req["n"],
+            max_tokens=req["max_tokens"],
+            temperature=req["temperature"],
+            top_p=req.get("top_p", 1.0),
+            version=self.version,
+            seed=req.get("seed"),
+        )
+        self.generated_tokens += sum(len(s["token_ids"]) for s in samples)
+        return {"samples": samples, "replica": self.replica_id, "version": self.version}
+
+    async def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
+        lps = await vla.completion_logprobs(self.engine, prompt_ids, completion_ids)
+        return {"logprobs": lps, "version": self.version, "replica": self.replica_id}
+
+    async def info(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica_id,
+            "version": self.version,
+            "epoch": self.epoch,
+            "generated_tokens": self.generated_tokens,
+            "last_error": self.last_error,
+            "uptime_s": time.time() - self.started,
+        }
+
+    async def check_health(self) -> None:
+        if self.loop_task.done():
+            exc = self.loop_task.exception() if not self.loop_task.cancelled() else None
+            raise RuntimeError(f"weight-sync loop of replica {self.replica_id} stopped: {exc!r}")
+
+    # ------------------------------------------------------------ weight sync (control plane: the hub)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                instr = await self.hub.next_instruction.remote(
+                    self.replica_id, self.epoch, self.version, self.poll_s
+                )
+            except Exception as e:  # the hub is gone: the run is over or restarting
+                self.last_error = f"hub unreachable: {e}"
+                await asyncio.sleep(self.poll_s)
+                continue
+            kind = instr["kind"]
+            if kind == "unknown":
+                await self.hub.register.remote(self.replica_id, self.workers)
+            elif kind == "join":
+                await self._join(instr)
+            elif kind == "push":
+                await self._receive(instr["plan"])
+
+    async def _join(self, instr: dict[str, Any]) -> None:
+        from app.vllm_worker import group_to_json
+
+        g = instr["group"]
+        try:
+            res = await vla.rpc(
+                self.engine,
+                "relay_join",
+                timeout=g.timeout_s + 5,
+                group_json=group_to_json(g),
+                first_rank=instr["rank"],
+            )
+            self.epoch = g.epoch
+            await self.hub.ack.remote(self.replica_id, "join", g.epoch, True, {"workers": res})
+        except Exception as e:
+            self.last_error = f"join of epoch {g.epoch} failed: {e}"
+            log.warning("replica %s: %s", self.replica_id, self.last_error)
+            await self.hub.ack.remote(self.replica_id, "join", g.epoch, False, {"error": str(e)})
+
+    async def _receive(self, plan) -> None:
+        from app.vllm_worker import plan_to_json
+
+        t0 = time.perf_counter()
+        try:
+            await vla.pause(self.engine)
+            try:
+                res = await vla.rpc(self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan))
+            finally:
+                self.version = plan.version
+                await vla.set_version(self.engine, plan.version)
+                await vla.resume(self.engine)
+            checksums = res[0]["checksums"]
+            await self.hub.ack.remote(
+                self.replica_id,
+                "push",
+                plan.version,
+                True,
+                {
+                    "checksums": checksums,
+                    "transfer_s": res[0]["transfer_s"],
+                    "load_s": res[0]["load_s"],
+                    "pause_s": time.perf_counter() - t0,
+                },
+            )
+        except Exception as e:
+            self.last_error = f"receive of version {plan.version} failed: {e}"
+            log.warning("replica %s: %s", self.replica_id, self.last_error)
+            with contextlib.suppress(Exception):
+                await self.hub.ack.remote(self.replica_id, "push", plan.version, False, {"error": str(e)})
+            self.epoch = -1  # rejoin at the next epoch
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop_task.cancel()
+        with contextlib.suppress(Exception):
+            vla.shutdown(self.engine)
+
+
+def build_app(cfg, model_path: str):
+    """The Serve application for `cfg.rollout` (autoscaling settings included)."""
+    r = cfg.rollout
+    use_gpu = r.replica_gpus > 0
+    engine = dict(
+        dtype=cfg.model.dtype,
+        max_model_len=r.max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        seed=cfg.seed,
+        use_gpu=use_gpu,
+    )
+    opts: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "ray_actor_options": {
+            "num_cpus": r.replica_cpus,
+            "num_gpus": r.replica_gpus,
+            "runtime_env": {"env_vars": {} if use_gpu else vla.cpu_env(r.kv_cache_gib)},
+        },
+        "max_ongoing_requests": max(64, r.max_num_seqs),
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 5,
+    }
+    if r.max_replicas > r.min_replicas:
+        opts["autoscaling_config"] = {
+            "min_replicas": r.min_replicas,
+            "max_replicas": r.max_replicas,
+            "target_ongoing_requests": r.target_ongoing_requests,
+            "upscale_delay_s": 5,
+            "downscale_delay_s": 30,
+        }
+    else:
+        opts["num_replicas"] = r.min_replicas
+    return serve.deployment(RolloutServer, **opts).bind(model_path, engine)

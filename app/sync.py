@@ -1,0 +1,502 @@
+"""Versioned, bucketed weight push from the trainer to every rollout replica.
+
+Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one replica):
+
+  join   Membership changes only between pushes. When a replica registers (start, autoscaling) or leaves,
+         trainer rank 0 opens a new *epoch*: it hosts a TCPStore on a fresh port and announces
+         (epoch, address, world, rank of each receiver) through the hub. Every member builds the same
+         stateless process group (gloo on CPU, NCCL on GPU) from that store, next to, never inside, the
+         trainer's default group, and acknowledges the epoch. A member that does not acknowledge within
+         the deadline is dropped and the epoch is formed again without it.
+  push   1. Rank 0 announces (version v, bucket plan) through the hub: names, shapes, dtypes and offsets
+            of every tensor in every flat bucket of at most `sync.bucket_mb` MiB.
+         2. Every trainer rank walks the buckets in the same order and gathers each bucket's full tensors
+            (an FSDP2 collective) in lock-step; only rank 0 packs and broadcasts. Rank 0 keeps gathering
+            even after a send failed, so the other ranks never wait in a gather rank 0 will not join.
+         3. Each receiver receives bucket by bucket, checksums each flat buffer, and loads it into its
+            model; at the end it sets its weight version to v (every token it samples afterwards carries v)
+            and acknowledges (v, checksums) through the hub.
+         4. The push is complete only when every member acknowledged v with checksums equal to the
+            trainer's, within `sync.timeout_s`. NCCL's own completion proves nothing (a broadcast to a dead
+            peer can "succeed"); a missing or wrong acknowledgement fails the push naming the replica, and
+            the next push forms a new epoch.
+
+The data plane (this module's `StatelessGroup`, `send_buckets`, `receive_buckets`) needs torch alone; the
+control plane (`WeightHub`) is plain asyncio, run as a Ray actor by the caller. Nothing here imports vLLM
+or Ray, so the GPU tier tests this transport with torch only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(RuntimeError):
+    """A push or a join failed; the message names the replicas and what they did (or did not) do."""
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int = 0  # element offset inside its bucket
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    dtype: str
+    numel: int
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    version: int
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for b in self.buckets for t in b.tensors]
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What a receiver needs to join epoch `epoch` of the weight group."""
+
+    epoch: int
+    host: str
+    port: int
+    world: int
+    backend: str
+    timeout_s: float
+    ranks: dict[str, int]  # replica id -> first rank of its workers
+
+
+@dataclass
+class PushStats:
+    version: int = 0
+    nbytes: int = 0
+    buckets: int = 0
+    gather_s: float = 0.0
+    pack_s: float = 0.0
+    transfer_s: float = 0.0
+    ack_s: float = 0.0
+    total_s: float = 0.0
+    checksums: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # per-replica acknowledgements
+
+
+# ---------------------------------------------------------------- bucket planning and checksums
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
+
+
+def plan_buckets(
+    specs: Iterable[tuple[str, tuple[int, ...], torch.dtype | str]], bucket_bytes: int, version: int
+) -> PushPlan:
+    """Pack tensors, in the given order, into flat buckets of one dtype and at most `bucket_bytes` each.
+
+    A tensor larger than `bucket_bytes` gets a bucket of its own. The order is kept so that every trainer
+    rank can gather in the same sequence.
+    """
+    buckets: list[Bucket] = []
+    cur: list[TensorSpec] = []
+    cur_dtype: str | None = None
+    cur_numel = 0
+
+    def close() -> None:
+        nonlocal cur, cur_numel
+        if cur:
+            buckets.append(Bucket(len(buckets), cur_dtype or "float32", cur_numel, tuple(cur)))
+        cur, cur_numel = [], 0
+
+    for name, shape, dtype in specs:
+        dname = str(dtype).replace("torch.", "")
+        spec = TensorSpec(name, tuple(int(s) for s in shape), dname)
+        itemsize = _dtype(dname).itemsize
+        if cur and (dname != cur_dtype or (cur_numel + spec.numel) * itemsize > bucket_bytes):
+            close()
+        cur_dtype = dname
+        cur.append(TensorSpec(name, spec.shape, dname, cur_numel))
+        cur_numel += spec.numel
+    close()
+    return PushPlan(version, tuple(buckets))
+
+
+_CK_MOD = 65521
+
+
+def checksum(flat: torch.Tensor) -> str:
+    """Bit-level, position-sensitive checksum of a flat buffer, computed on its device.
+
+    The buffer's bytes are read as int32 words (bytes if the size is not a multiple of 4) and two sums are
+    kept in int64 with wrap-around: the plain sum and a position-weighted one. Wrap-around addition is
+    associative, so CPU and GPU reductions in any order agree bit for bit.
+    """
+    raw = flat.detach().contiguous().view(-1)
+    nbytes = raw.numel() * raw.element_size()
+    words = raw.view(torch.int32) if nbytes % 4 == 0 else raw.view(torch.uint8)
+    x = words.to(torch.int64)
+    w = torch.arange(x.numel(), device=x.device, dtype=torch.int64).remainder_(_CK_MOD).add_(1)
+    s1 = int(x.sum().item())
+    s2 = int((x * w).sum().item())
+    return f"{s1 & 0xFFFFFFFFFFFFFFFF:016x}{s2 & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def unpack(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor of `bucket` inside its received flat buffer."""
+    return [(t.name, flat[t.offset : t.offset + t.numel].view(t.shape)) for t in bucket.tensors]
+
+
+def pack_into(bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    for spec, t in zip(bucket.tensors, tensors, strict=True):
+        out[spec.offset : spec.offset + spec.numel].copy_(t.reshape(-1), non_blocking=True)
+    return out
+
+
+# ---------------------------------------------------------------- the stateless process group
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+class StatelessGroup:
+    """A process group built from its own TCPStore, independent of the default group.
+
+    Rank 0 (the trainer) hosts the store. Every operation has a timeout: a dead peer fails gloo at once and a
+    silent one after `timeout_s`; for NCCL the caller must not trust completion (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world: int,
+        backend: str,
+        timeout_s: float,
+        epoch: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.rank, self.world, self.backend, self.timeout = rank, world, backend, timedelta(seconds=timeout_s)
+        self.device = torch.device(device)
+        self.store = dist.TCPStore(
+            host, port, world_size=world, is_master=rank == 0, timeout=self.timeout, wait_for_workers=False
+        )
+        prefix = dist.PrefixStore(f"relay-weights/{epoch}", self.store)
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefix, rank, world, self.timeout)
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(prefix, rank, world, opts)
+        else:
+            raise ValueError(f"unknown weight-group backend {backend!r}; use gloo or nccl")
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        work = self.pg.broadcast([t], opts)
+        work.wait(self.timeout)
+
+    def barrier(self) -> None:
+        t = torch.zeros(1, device=self.device)
+        self.broadcast(t)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.backend == "nccl":
+                self.pg.abort()
+        self.pg = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------- sender and receiver
+
+
+def send_buckets(
+    plan: PushPlan,
+    gather: Callable[[list[str]], list[torch.Tensor]],
+    group: StatelessGroup | None,
+    device: torch.device | str = "cpu",
+) -> PushStats:
+    """Walk the plan's buckets on every trainer rank; rank 0 (the one holding `group`) sends.
+
+    `gather(names)` returns the full tensors of those names; on FSDP2 it is a collective, so every rank
+    calls it for every bucket in the same order. Ranks without a group discard what they gathered. A send
+    failure on rank 0 is raised only after the walk, so the other ranks are never left in a gather.
+    """
+    stats = PushStats(version=plan.version, nbytes=plan.nbytes, buckets=len(plan.buckets))
+    t_start = time.perf_counter()
+    error: BaseException | None = None
+    for bucket in plan.buckets:
+        t0 = time.perf_counter()
+        tensors = gather([t.name for t in bucket.tensors])
+        t1 = time.perf_counter()
+        stats.gather_s += t1 - t0
+        if group is None or error is not None:
+            continue
+        flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
+        pack_into(bucket, tensors, flat)
+        ck = checksum(flat)
+        t2 = time.perf_counter()
+        stats.pack_s += t2 - t1
+        try:
+            group.broadcast(flat)
+        except Exception as e:  # keep walking: the other ranks are waiting in the gathers
+            error = e
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+        stats.transfer_s += time.perf_counter() - t2
+        stats.checksums.append(ck)
+    stats.total_s = time.perf_counter() - t_start
+    if error is not None:
+        raise SyncError(f"weight push v{plan.version} failed in the broadcast: {error}") from error
+    return stats
+
+
+def receive_buckets(
+    plan: PushPlan,
+    group: StatelessGroup,
+    load: Callable[[list[tuple[str, torch.Tensor]]], None],
+    device: torch.device | str = "cpu",
+) -> tuple[list[str], dict[str, float]]:
+    """Receive every bucket of `plan`, checksum it, and hand its tensors to `load`. Returns checksums, timings."""
+    checksums: list[str] = []
+    timing = {"transfer_s": 0.0, "load_s": 0.0}
+    for bucket in plan.buckets:
+        t0 = time.perf_counter()
+        flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
+        group.broadcast(flat)
+        checksums.append(checksum(flat))
+        t1 = time.perf_counter()
+        load(unpack(bucket, flat))
+        timing["transfer_s"] += t1 - t0
+        timing["load_s"] += time.perf_counter() - t1
+    return checksums, timing
+
+
+def iter_named_full(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for plain tensors and DTensors alike; gathering is a collective for DTensors."""
+    for name, t in named:
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield name, full.detach()
+
+
+# ---------------------------------------------------------------- control plane
+
+
+@dataclass
+class _Member:
+    replica_id: str
+    workers: int
+    registered_at: float
+    alive: bool = True
+    version: int = -1
+    epoch: int = -1
+
+
+class WeightHub:
+    """Control plane of the weight group: membership, announcements and acknowledgements.
+
+    Run as an async Ray actor (the caller wraps it with `ray.remote`). Replicas long-poll `next_instruction`;
+    the trainer calls `open_epoch`, `announce` and `wait_acks`. Every wait takes a deadline.
+    """
+
+    def __init__(self) -> None:
+        self.members: dict[str, _Member] = {}
+        self.group: GroupInfo | None = None
+        self.plan: PushPlan | None = None
+        self.version = -1  # last version acknowledged by every member
+        self.acks: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+        self.changed = asyncio.Condition()
+        self.last_push: dict[str, Any] = {}
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def register(self, replica_id: str, workers: int = 1) -> None:
+        """A replica asks to join; it becomes a member at the next epoch."""
+        self.members[replica_id] = _Member(replica_id, workers, time.time())
+        log.info("replica %s registered with %d worker(s)", replica_id, workers)
+        await self._notify()
+
+    async def leave(self, replica_id: str) -> None:
+        if replica_id in self.members:
+            self.members[replica_id].alive = False
+        await self._notify()
+
+    def membership_changed(self) -> bool:
+        if self.group is None:
+            return bool(self.alive_ids())
+        return set(self.group.ranks) != set(self.alive_ids())
+
+    def alive_ids(self) -> list[str]:
+        return sorted(m.replica_id for m in self.members.values() if m.alive)
+
+    async def open_epoch(self, host: str, port: int, backend: str, timeout_s: float) -> GroupInfo:
+        """Assign ranks to the live members and announce a new epoch of the weight group."""
+        ranks, nxt = {}, 1
+        for rid in self.alive_ids():
+            ranks[rid] = nxt
+            nxt += self.members[rid].workers
+        epoch = (self.group.epoch + 1) if self.group else 0
+        self.group = GroupInfo(epoch, host, port, nxt, backend, timeout_s, ranks)
+        self.plan = None
+        await self._notify()
+        return self.group
+
+    async def announce(self, plan: PushPlan) -> None:
+        self.plan = plan
+        await self._notify()
+
+    async def next_instruction(
+        self, replica_id: str, epoch: int, version: int, wait_s: float
+    ) -> dict[str, Any]:
+        """Long-poll: what should this replica do next? {'kind': 'join'|'push'|'idle'|'unknown', ...}."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            m = self.members.get(replica_id)
+            if m is None or not m.alive:
+                return {"kind": "unknown"}
+            g = self.group
+            if g is not None and replica_id in g.ranks and g.epoch != epoch:
+                return {"kind": "join", "group": g, "rank": g.ranks[replica_id]}
+            if (
+                g is not None
+                and g.epoch == epoch
+                and replica_id in g.ranks
+                and self.plan is not None
+                and self.plan.version > version
+            ):
+                return {"kind": "push", "plan": self.plan}
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"kind": "idle"}
+            async with self.changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), timeout=left)
+
+    async def ack(self, replica_id: str, kind: str, key: int, ok: bool, detail: dict[str, Any]) -> None:
+        self.acks.setdefault((kind, key), {})[replica_id] = {"ok": ok, **detail}
+        m = self.members.get(replica_id)
+        if m is not None and ok:
+            if kind == "join":
+                m.epoch = key
+            elif kind == "push":
+                m.version = key
+        await self._notify()
+
+    async def wait_acks(self, kind: str, key: int, timeout_s: float) -> dict[str, dict[str, Any]]:
+        """Wait until every member of the current epoch acknowledged (kind, key), or the deadline.
+
+        Returns the acknowledgements; members that did not answer are listed under the key '__missing__'.
+        """
+        expected = set(self.group.ranks) if self.group else set()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.acks.get((kind, key), {})
+            missing = sorted(expected - set(got))
+            if not missing:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            async with self.changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
+        out = dict(self.acks.get((kind, key), {}))
+        out["__missing__"] = {"ids": missing}  # type: ignore[dict-item]
+        if kind == "push" and not missing and all(a.get("ok") for k, a in out.items() if k != "__missing__"):
+            self.version = max(self.version, key)
+        return out
+
+    async def drop(self, replica_ids: list[str]) -> None:
+        """Remove members that failed a join or a push; they must register again to rejoin."""
+        for rid in replica_ids:
+            if rid in self.members:
+                self.members[rid].alive = False
+                log.warning("replica %s dropped from the weight group", rid)
+        await self._notify()
+
+    async def status(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "epoch": self.group.epoch if self.group else None,
+            "members": {
+                rid: {"alive": m.alive, "version": m.version, "epoch": m.epoch}
+                for rid, m in self.members.items()
+            },
+            "membership_changed": self.membership_changed(),
+        }
+
+
+def check_acks(
+    acks: dict[str, dict[str, Any]],
+    kind: str,
+    key: int,
+    expected_checksums: list[str] | None,
+    timeout_s: float,
+) -> None:
+    """Raise SyncError naming every replica that did not acknowledge, failed, or loaded other bytes."""
+    problems = []
+    for rid in acks.get("__missing__", {}).get("ids", []):
+        problems.append(
+            f"replica {rid} did not acknowledge {kind} {key} within {timeout_s:.0f}s (dead or stuck)"
+        )
+    for rid, a in acks.items():
+        if rid == "__missing__":
+            continue
+        if not a.get("ok"):
+            problems.append(f"replica {rid} failed {kind} {key}: {a.get('error', 'unknown error')}")
+        elif expected_checksums is not None and a.get("checksums") != expected_checksums:
+            problems.append(f"replica {rid} loaded different bytes for version {key} (checksum mismatch)")
+    if problems:
+        raise SyncError("; ".join(problems))

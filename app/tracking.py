@@ -1,0 +1,94 @@
+"""MLflow tracking. Monitoring failures are logged, never raised into training; a bad URI fails at start."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def default_uri(run_dir: str) -> str:
+    path = Path(run_dir).resolve() / "mlflow.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+class Tracker:
+    """Thin wrapper over MlflowClient bound to one run (usable from any process that knows the run id)."""
+
+    def __init__(self, uri: str, run_id: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri, self.run_id = uri, run_id
+        self.client = MlflowClient(tracking_uri=uri)
+
+    @classmethod
+    def start(cls, uri: str, experiment: str, run_name: str | None, params: dict[str, Any]) -> Tracker:
+        from mlflow.tracking import MlflowClient
+
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        run = client.create_run(exp_id, run_name=run_name or None)
+        t = cls(uri, run.info.run_id)
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            t.client.log_batch(t.run_id, params=items[i : i + 100])
+        return t
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [
+            Metric(k.replace("@", "_"), float(v), ts, step)
+            for k, v in values.items()
+            if isinstance(v, int | float) and math.isfinite(float(v))
+        ]
+        try:
+            self.client.log_batch(self.run_id, metrics=items)
+        except Exception as e:  # monitoring must not take training down
+            log.warning("MLflow log_batch failed: %s", e)
+
+    def table(self, rows: list[dict[str, Any]], name: str) -> None:
+        if not rows:
+            return
+        cols = {k: [r.get(k) for r in rows] for k in rows[0]}
+        try:
+            self.client.log_table(self.run_id, data=cols, artifact_file=name)
+        except Exception as e:
+            log.warning("MLflow log_table failed: %s", e)
+
+    def artifact(self, path: str, artifact_path: str | None = None) -> None:
+        try:
+            if Path(path).is_dir():
+                self.client.log_artifacts(self.run_id, path, artifact_path)
+            else:
+                self.client.log_artifact(self.run_id, path, artifact_path)
+        except Exception as e:
+            log.warning("MLflow artifact upload failed: %s", e)
+
+    def text(self, text: str, name: str) -> None:
+        try:
+            self.client.log_text(self.run_id, text, name)
+        except Exception as e:
+            log.warning("MLflow log_text failed: %s", e)
+
+    def dict(self, d: dict[str, Any], name: str) -> None:
+        self.text(json.dumps(d, indent=2, default=str), name)
+
+    def end(self, status: str = "FINISHED") -> None:
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as e:
+            log.warning("MLflow set_terminated failed: %s", e)

@@ -1,0 +1,319 @@
+"""Training: GRPO on a model sharded with FSDP2, run by Ray Train's TorchTrainer.
+
+`Learner` holds the sharded policy (and, with a KL penalty, a frozen sharded reference) and does one
+optimizer step on a `Batch`; it needs torch alone (the GPU tier runs it without Ray). `train_worker` is the
+per-worker loop: rank 0 fetches batches from the rollouter and shares them, every rank trains its share,
+and every rank takes part in the weight push (all gather, rank 0 sends).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from app import grpo
+from app.records import Batch, Group
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- model building
+
+
+def build_fsdp_model(
+    path: str, dtype: str, device: torch.device, activation_checkpointing: bool = False, train: bool = True
+) -> torch.nn.Module:
+    """Load an HF causal LM and shard it with FSDP2: one `fully_shard` per decoder layer, then the root.
+
+    Parameters are kept in float32; with `dtype=bfloat16` compute runs in bf16 and gradients are reduced in
+    float32.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if activation_checkpointing and train:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    mp = None
+    if dtype == "bfloat16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"mp_policy": mp} if mp is not None else {}
+    if dist.is_initialized():
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+    if not train:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers at model.model.layers to shard")
+    return list(layers)
+
+
+def param_name(name: str) -> str:
+    """HF parameter name as vLLM's loader expects it (wrappers removed)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+
+
+# ---------------------------------------------------------------- batches to tensors
+
+
+@dataclass
+class Row:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    versions: list[int]
+
+
+def flatten_batch(batch: Batch, normalize_std: bool) -> list[Row]:
+    """GRPO advantages per group, then one row per sample (groups kept in order)."""
+    rows: list[Row] = []
+    for g in batch.groups:
+        rewards = torch.tensor([[s.reward for s in g.samples]], dtype=torch.float32)
+        adv = grpo.group_advantages(rewards, normalize_std=normalize_std)[0].tolist()
+        for s, a in zip(g.samples, adv, strict=True):
+            if not s.token_ids:
+                continue
+            rows.append(Row(g.prompt_ids, s.token_ids, s.logprobs, a, s.versions))
+    return rows
+
+
+def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded input ids plus response-aligned targets: position t predicts token t+1."""
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    b = len(rows)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    targets = torch.zeros((b, width - 1), dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.float32)
+    old = torch.zeros((b, width - 1), dtype=torch.float32)
+    adv = torch.zeros((b, width - 1), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        seq = list(r.prompt_ids) + list(r.response_ids)
+        n, p = len(seq), len(r.prompt_ids)
+        ids[i, :n] = torch.tensor(seq)
+        attn[i, :n] = 1
+        targets[i, : n - 1] = torch.tensor(seq[1:])
+        sl = slice(p - 1, n - 1)
+        mask[i, sl] = 1.0
+        old[i, sl] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
+        adv[i, sl] = r.advantage
+    return {
+        k: v.to(device)
+        for k, v in dict(
+            input_ids=ids, attention_mask=attn, targets=targets, mask=mask, old=old, adv=adv
+        ).items()
+    }
+
+
+def response_logprobs(
+    model: torch.nn.Module, mb: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
+    return grpo.token_logprobs(logits, mb["targets"]), logits
+
+
+# ---------------------------------------------------------------- the learner
+
+
+class Learner:
+    """One optimizer step of GRPO on this rank's share of a batch (all ranks step in lock-step)."""
+
+    def __init__(self, cfg: Any, model_path: str, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        t = cfg.train
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.model = build_fsdp_model(model_path, cfg.model.dtype, device, t.activation_checkpointing)
+        self.ref = None
+        if cfg.algorithm.kl_coef > 0:
+            self.ref = build_fsdp_model(model_path, cfg.model.dtype, device, train=False)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+        )
+        warm = max(0, t.warmup_steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+        )
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(model_path)
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        a, t = self.cfg.algorithm, self.cfg.train
+        rows = flatten_batch(batch, a.normalize_adv_std)
+        total_tokens = float(sum(len(r.response_ids) for r in rows))
+        total_seqs = float(len(rows))
+        mine = rows[self.rank :: self.world]
+        mbs = t.micro_batch_size
+        # every rank runs the same number of forward/backward passes (FSDP2 collectives); a rank with fewer
+        # rows runs a zero-weight pass on a copy of a row
+        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world) / mbs))
+        self.model.train()
+        sums = torch.zeros(6, dtype=torch.float64)  # loss*tok, kl*tok, entropy*tok, clipped, tokens, mismatch
+        for k in range(n_micro):
+            part = mine[k * mbs : (k + 1) * mbs]
+            weight = 1.0
+            if not part:
+                part, weight = (mine or rows)[:1], 0.0
+            mb = collate(part, self.pad_id, self.device)
+            logp, logits = response_logprobs(self.model, mb)
+            loss_tok, clipped = grpo.policy_loss(
+                logp, mb["old"], mb["adv"], mb["mask"], a.clip_low, a.clip_high, a.max_log_ratio
+            )
+            kl_tok = torch.zeros_like(loss_tok)
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref_logp, _ = response_logprobs(self.ref, mb)
+                kl_tok = grpo.kl_penalty(logp, ref_logp, a.kl_kind) * mb["mask"]
+            total_tok = loss_tok + a.kl_coef * kl_tok
+            loss = grpo.aggregate(
+                total_tok, mb["mask"], a.loss_agg, num_tokens=total_tokens, num_seqs=total_seqs
+            )
+            # FSDP averages gradients over ranks; the denominators above are global, so scale back up
+            (loss * self.world * weight).backward()
+            with torch.no_grad():
+                m = mb["mask"] * weight
+                ent = grpo.entropy_from_logits(logits)
+                sums += torch.tensor(
+                    [
+                        float((loss_tok * m).sum()),
+                        float((kl_tok * m).sum()),
+                        float((ent * m).sum()),
+                        float((clipped.float() * m).sum()),
+                        float(m.sum()),
+                        float(((logp - mb["old"]).abs() * m).sum()),
+                    ],
+                    dtype=torch.float64,
+                )
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        if dist.is_initialized():
+            red = sums.to(self.device) if self.device.type == "cuda" else sums
+            dist.all_reduce(red)
+            sums = red.cpu()
+        tok = max(1.0, float(sums[4]))
+        return {
+            "loss/policy": float(sums[0]) / tok,
+            "loss/kl": float(sums[1]) / tok,
+            "actor/entropy": float(sums[2]) / tok,
+            "actor/clip_frac": float(sums[3]) / tok,
+            "actor/grad_norm": grad_norm,
+            "actor/logprob_mismatch": float(sums[5]) / tok,
+            "actor/lr": self.sched.get_last_lr()[0],
+            "train/skipped_steps": 0.0 if finite else 1.0,
+            "train/tokens": total_tokens,
+        }
+
+    # ------------------------------------------------------------ weights out
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        return {param_name(n): p for n, p in self.model.named_parameters()}
+
+    def push_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
+        dtype = self.cfg.model.dtype
+        return [(n, tuple(p.shape), dtype) for n, p in self.named_params().items()]
+
+    def gather(self, names: list[str]) -> list[torch.Tensor]:
+        """Full tensors for `names` (an FSDP2 all-gather per parameter: every rank calls this in lock-step)."""
+        params = self.named_params()
+        dtype = getattr(torch, self.cfg.model.dtype)
+        out = []
+        for n in names:
+            p = params[n].detach()
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out.append(full.to(dtype))
+        return out
+
+    def logprobs_of(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        """The trainer's log-probs for a fixed completion (collective: call on every rank)."""
+        row = Row(prompt_ids, completion_ids, [0.0] * len(completion_ids), 0.0, [])
+        mb = collate([row], self.pad_id, self.device)
+        self.model.eval()
+        with torch.no_grad():
+            logp, _ = response_logprobs(self.model, mb)
+        p = len(prompt_ids)
+        return logp[0, p - 1 : p - 1 + len(completion_ids)].tolist()
+
+    def save_hf(self, path: str, tokenizer_path: str) -> None:
+        """Full HF checkpoint (model + tokenizer) that vLLM can load; collective, rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from transformers import AutoTokenizer
+
+        if dist.is_initialized():
+            sd = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:
+            sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            cfg_model = AutoModelForCausalLM.from_pretrained(tokenizer_path, dtype=torch.float32)
+            cfg_model.load_state_dict({param_name(k): v for k, v in sd.items()})
+            cfg_model.save_pretrained(path, safe_serialization=True)
+            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+
+
+def staleness(batch: Batch, version: int) -> dict[str, float]:
+    """Per-token staleness: the trainer's version minus the version that sampled the token."""
+    vals = [version - v for g in batch.groups for s in g.samples for v in s.versions]
+    if not vals:
+        return {"staleness/mean": 0.0, "staleness/max": 0.0}
+    return {"staleness/mean": sum(vals) / len(vals), "staleness/max": float(max(vals))}
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    rewards = [s.reward for g in batch.groups for s in g.samples]
+    lengths = [len(s.token_ids) for g in batch.groups for s in g.samples]
+    n = max(1, len(rewards))
+    mean = sum(rewards) / n
+    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
+    solved = sum(1 for g in batch.groups if all(s.reward > 0 for s in g.samples))
+    zero = sum(1 for g in batch.groups if len({s.reward for s in g.samples}) == 1)
+    return {
+        "reward/mean": mean,
+        "reward/std": std,
+        "response/length_mean": sum(lengths) / n,
+        "response/length_max": float(max(lengths, default=0)),
+        "response/truncated_frac": sum(
+            1 for g in batch.groups for s in g.samples if s.finish_reason == "length"
+        )
+        / n,
+        "batch/groups_all_solved": float(solved),
+        "batch/groups_zero_adv": float(zero),
+        "data/dropped_overlong": float(batch.dropped_overlong),
+        **{k: float(v) for k, v in batch.reward_errors.items()},
+    }
+
+
+def group_ids(groups: list[Group]) -> list[str]:
+    return [g.uid for g in groups]
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,248 @@
+"""Tests for app.data: loading .jsonl/.parquet prompt files, prompt rendering and overlong filtering."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import string
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.data import DataError, PromptRow, filter_overlong, load_rows, render_prompt
+
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return str(path)
+
+
+def write_verl_parquet(path, n=3, index=True):
+    table = pa.table(
+        {
+            "data_source": ["openai/gsm8k"] * n,
+            "prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(n)],
+            "ability": ["math"] * n,
+            "reward_model": [{"style": "rule", "ground_truth": str(10 + i)} for i in range(n)],
+            "extra_info": [
+                {"split": "train", "index": 100 + i} if index else {"split": "train"} for i in range(n)
+            ],
+        }
+    )
+    pq.write_table(table, path)
+    return str(path)
+
+
+def test_jsonl_good(tmp_path):
+    path = write_jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"prompt": "max:3815=", "answer": "8"},
+            "",
+            {"prompt": MSGS, "answer": 4, "id": "q-7", "data_source": "arith"},
+            "   ",
+            {"prompt": "x", "answer": 2.5, "uid": 9},
+        ],
+    )
+    rows = load_rows(path)
+    assert rows == [
+        PromptRow("train:0", "max:3815=", "8", "train", 0),
+        PromptRow("q-7", MSGS, "4", "arith", 1),
+        PromptRow("9", "x", "2.5", "train", 2),
+    ]
+
+
+def test_parquet_verl_layout(tmp_path):
+    rows = load_rows(write_verl_parquet(tmp_path / "gsm8k_train.parquet"))
+    assert [r.uid for r in rows] == ["100", "101", "102"]
+    assert rows[1] == PromptRow("101", [{"role": "user", "content": "q1"}], "11", "openai/gsm8k", 1)
+
+
+def test_parquet_verl_without_index(tmp_path):
+    rows = load_rows(write_verl_parquet(tmp_path / "t.parquet", index=False))
+    assert [r.uid for r in rows] == ["t:0", "t:1", "t:2"]
+
+
+def test_parquet_plain_columns(tmp_path):
+    path = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
+    rows = load_rows(str(path))
+    assert rows == [PromptRow("plain:0", "a", "1", "plain", 0), PromptRow("plain:1", "b", "2", "plain", 1)]
+
+
+@pytest.mark.parametrize(
+    ("lines", "row", "fragment"),
+    [
+        (['{"prompt": "a", "answer": "1"}', "{not json"], "row 1 (line 2)", "invalid JSON"),
+        ([{"prompt": "a"}], "row 0 (line 1)", "missing key 'answer'"),
+        ([{"answer": "1"}], "row 0 (line 1)", "missing key 'prompt'"),
+        (["[1, 2]"], "row 0 (line 1)", "not an object"),
+        ([{"prompt": "  ", "answer": "1"}], "row 0 (line 1)", "empty 'prompt'"),
+        ([{"prompt": [], "answer": "1"}], "row 0 (line 1)", "empty 'prompt' message list"),
+        ([{"prompt": 5, "answer": "1"}], "row 0 (line 1)", "'prompt' is a int"),
+        (
+            [{"prompt": [{"content": "hi"}], "answer": "1"}],
+            "row 0 (line 1)",
+            "message 0 has no string 'role'",
+        ),
+        ([{"prompt": [{"role": "user"}], "answer": "1"}], "row 0 (line 1)", "has no string 'content'"),
+        ([{"prompt": ["hi"], "answer": "1"}], "row 0 (line 1)", "message 0 has no string 'role'"),
+        ([{"prompt": "a", "answer": None}], "row 0 (line 1)", "'answer' is None"),
+        ([{"prompt": "a", "answer": True}], "row 0 (line 1)", "'answer' is True"),
+        ([{"prompt": "a", "answer": ["1"]}], "row 0 (line 1)", "'answer' is ['1']"),
+        ([{"prompt": "a", "answer": "1", "id": [1]}], "row 0 (line 1)", "'id' is [1]"),
+        ([{"prompt": "a", "answer": "1", "data_source": 3}], "row 0 (line 1)", "'data_source' must be"),
+        (
+            ["", {"prompt": "a", "answer": "1", "id": "x"}, {"prompt": "b", "answer": "2", "id": "x"}],
+            "row 1 (line 3)",
+            "duplicate id 'x' (also row 0)",
+        ),
+    ],
+)
+def test_jsonl_malformed(tmp_path, lines, row, fragment):
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(DataError) as exc:
+        load_rows(path)
+    msg = str(exc.value)
+    assert msg.startswith(f"{path} {row}: ")
+    assert fragment in msg
+
+
+def test_jsonl_message_names_the_format(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
+    with pytest.raises(DataError, match=r"train\.jsonl row 1 \(line 2\): missing key 'answer' \(each line"):
+        load_rows(path)
+
+
+def test_parquet_malformed_rows(tmp_path):
+    path = tmp_path / "bad.parquet"
+    table = pa.table(
+        {
+            "data_source": ["d", "d"],
+            "prompt": [[{"role": "user", "content": "q"}], [{"role": "user", "content": "q"}]],
+            "reward_model": [{"ground_truth": "1"}, {"ground_truth": None}],
+        }
+    )
+    pq.write_table(table, path)
+    with pytest.raises(
+        DataError, match=rf"^{re.escape(str(path))} row 1: 'reward_model' has no 'ground_truth'"
+    ):
+        load_rows(str(path))
+
+    pq.write_table(pa.table({"prompt": ["ok", ""], "answer": ["1", "2"]}), path)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))} row 1: empty 'prompt'"):
+        load_rows(str(path))
+
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": None}]], "answer": ["1"]}), path)
+    with pytest.raises(
+        DataError, match=rf"^{re.escape(str(path))} row 0: prompt message 0 has no string 'content'"
+    ):
+        load_rows(str(path))
+
+
+def test_parquet_missing_columns(tmp_path):
+    path = tmp_path / "cols.parquet"
+    pq.write_table(pa.table({"question": ["a"], "answer": ["1"]}), path)
+    with pytest.raises(DataError, match=r"columns \['answer', 'question'\]; expected verl columns"):
+        load_rows(str(path))
+
+
+def test_file_level_errors(tmp_path):
+    with pytest.raises(DataError, match=r"unsupported extension '\.csv'; supported: \.jsonl, \.parquet"):
+        load_rows(str(tmp_path / "x.csv"))
+    with pytest.raises(DataError, match="file not found"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        load_rows(str(tmp_path / "junk.parquet"))
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="no rows"):
+        load_rows(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "latin.jsonl").write_bytes('{"prompt": "caf\xe9", "answer": "1"}'.encode("latin-1"))
+    with pytest.raises(DataError, match="not UTF-8"):
+        load_rows(str(tmp_path / "latin.jsonl"))
+
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture
+def tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for c in string.printable:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def test_render_with_chat_template(tokenizer):
+    tokenizer.chat_template = TEMPLATE
+    ids = render_prompt(PromptRow("u", MSGS, "4", "d", 0), tokenizer)
+    assert isinstance(ids, list) and all(type(t) is int for t in ids)
+    assert tokenizer.decode(ids) == "<system>be brief\n<user>2+2?\n<assistant>"
+
+
+def test_render_without_chat_template(tokenizer):
+    assert not getattr(tokenizer, "chat_template", None)
+    ids = render_prompt(PromptRow("u", MSGS, "4", "d", 0), tokenizer)
+    assert tokenizer.decode(ids) == "be brief\n2+2?"
+
+
+def test_render_string_prompt(tokenizer):
+    tokenizer.chat_template = TEMPLATE  # not used for plain strings
+    ids = render_prompt(PromptRow("u", "max:38=", "8", "d", 0), tokenizer)
+    assert ids == tokenizer.encode("max:38=", add_special_tokens=False)
+    assert len(ids) == 7
+
+
+class _DictTokenizer:
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return {"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1, 1]]}
+
+
+def test_render_normalizes_dict_output():
+    assert render_prompt(PromptRow("u", MSGS, "4", "d", 0), _DictTokenizer()) == [5, 6, 7]
+
+
+def _rows(lengths):
+    return [(PromptRow(f"f:{i}", "p", "a", "f", i), list(range(n))) for i, n in enumerate(lengths)]
+
+
+def test_filter_overlong_drop(caplog):
+    items = _rows([3, 5, 4, 6])
+    with caplog.at_level(logging.WARNING):
+        kept, dropped = filter_overlong(items, 4, "drop")
+    assert [r.uid for r, _ in kept] == ["f:0", "f:2"]
+    assert dropped == 2
+    assert any("dropped 2 of 4" in r.getMessage() for r in caplog.records)
+    assert filter_overlong(items, 10, "drop") == (items, 0)
+
+
+def test_filter_overlong_error():
+    with pytest.raises(DataError) as exc:
+        filter_overlong(_rows([3, 5, 6]), 4, "error")
+    msg = str(exc.value)
+    assert "'f:1'" in msg and "5 tokens" in msg
+    assert "data.max_prompt_tokens" in msg and "data.truncation=drop" in msg
+    assert filter_overlong(_rows([1, 2]), 4, "error")[1] == 0
+
+
+def test_filter_overlong_bad_policy():
+    with pytest.raises(ValueError, match=r"data\.truncation='truncate'"):
+        filter_overlong([], 4, "truncate")
