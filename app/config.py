@@ -50,7 +50,9 @@ class DataConfig:
     val_size: int = 64
     """Number of validation prompts used at each validation."""
     shuffle: bool = True
+    """Shuffle the training prompts at every epoch (seeded by `data.seed` + epoch)."""
     seed: int = 0
+    """Seed of the per-epoch shuffle."""
 
 
 @dataclass
@@ -60,44 +62,61 @@ class RolloutConfig:
     max_tokens: int = 8
     """Maximum response tokens."""
     temperature: float = 1.0
+    """Sampling temperature of training rollouts (behaviour log-probs are taken after it)."""
     top_p: float = 1.0
+    """Nucleus sampling of training rollouts."""
     min_replicas: int = 1
+    """Minimum (and initial) number of vLLM replicas in the Serve deployment."""
     max_replicas: int = 1
+    """Maximum replicas; above `min_replicas` Serve autoscales on ongoing requests."""
     target_ongoing_requests: float = 16.0
     """Serve autoscaling target per replica (only used when max_replicas > min_replicas)."""
     replica_cpus: float = 1.0
     """Logical CPUs (or GPUs on a GPU cluster, see `replica_gpus`) per vLLM replica."""
     replica_gpus: float = 0.0
+    """GPUs per replica (0 runs vLLM on CPU)."""
     max_model_len: int = 128
+    """vLLM context length; must hold `data.max_prompt_tokens + rollout.max_tokens`."""
     kv_cache_gib: float = 1.0
     """KV-cache size per replica on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory a GPU replica may take (weights + KV cache)."""
     max_num_seqs: int = 256
+    """Maximum sequences a replica batches at once."""
     request_timeout_s: float = 120.0
     """Deadline for one generation request."""
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
+    steps: int = 60
     """Optimizer steps (= weight versions) of the run."""
     workers: int = 2
     """Ray Train workers (FSDP2 ranks)."""
     worker_cpus: float = 1.0
+    """Logical CPUs per Ray Train worker."""
     use_gpu: bool = False
+    """Train on GPUs (one per worker, NCCL) instead of CPU (gloo)."""
     batch_groups: int = 16
     """Prompt groups per optimizer step (each of `rollout.n` samples)."""
     micro_batch_size: int = 64
     """Sequences per forward/backward on one worker."""
     lr: float = 1e-3
+    """AdamW learning rate."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
     grad_clip: float = 1.0
+    """Gradient-norm clipping threshold."""
     warmup_steps: int = 0
+    """Linear learning-rate warm-up steps (0: none)."""
     backend: str = "auto"
     """Default process group of the trainer: gloo on CPU, nccl on GPU."""
     activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
     seed: int = 0
+    """Seed of the trainer's torch RNG."""
     timeout_s: float = 300.0
     """Timeout of the trainer's collectives and of each wait for a rollout batch."""
 
@@ -107,17 +126,23 @@ class AlgorithmConfig:
     mode: str = "sync"
     """`sync` (generate with version t, train, push) or `one_step_off` (generation of t+1 overlaps training)."""
     clip_low: float = 0.2
+    """PPO ratio clip below: ratios under 1 - clip_low are clipped."""
     clip_high: float = 0.28
+    """PPO ratio clip above (DAPO's clip-higher): ratios over 1 + clip_high are clipped."""
     loss_agg: str = "token_mean"
+    """`token_mean` (every token of the batch weighs the same) or `seq_mean` (every sequence does)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the initial policy (0 disables it and the reference model)."""
     kl_kind: str = "low_var_kl"
+    """KL estimator: `k1`, `k3` or `low_var_kl` (k3 clamped, as verl)."""
     normalize_adv_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO); off gives Dr. GRPO."""
     max_log_ratio: float = 20.0
     """Log-ratios are clamped to +-this before exp()."""
-    val_every: int = 10
+    val_every: int = 5
     """Validate every this many versions (and at the first and last)."""
     val_temperature: float = 0.0
+    """Sampling temperature at validation (0: greedy)."""
 
 
 @dataclass
@@ -139,6 +164,7 @@ class RewardConfig:
     timeout_s: float = 10.0
     """Deadline for one reward computation; a timeout scores `on_error`."""
     on_error: float = 0.0
+    """Score given to a sample whose reward function raised, hung or returned a non-number."""
 
 
 @dataclass
@@ -146,7 +172,9 @@ class TrackingConfig:
     uri: str = ""
     """MLflow tracking URI; empty means a local store under `run_dir`/mlruns."""
     experiment: str = "relay"
+    """MLflow experiment name."""
     run_name: str = ""
+    """Run name (default: relay-<timestamp>); also names the run folder."""
     log_samples: int = 8
     """Sample generations logged as a table at each validation."""
 
@@ -157,6 +185,8 @@ class RayConfig:
     """Ray address; empty starts (or joins) a local cluster."""
     num_cpus: int = 16
     """Logical CPUs of a local cluster (more than cores: requests are fractional)."""
+    name: str = "relay"
+    """Prefix of this run's Serve application and named actors, so several runs can share a cluster."""
 
 
 @dataclass
@@ -173,6 +203,7 @@ class RelayConfig:
     run_dir: str = "runs"
     """Where run outputs go (MLflow store, resolved config, final checkpoint)."""
     seed: int = 0
+    """Global seed (model build, sampling seeds)."""
 
 
 class ConfigError(ValueError):

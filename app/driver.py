@@ -81,8 +81,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.rollouter import ROLLOUTER_NAME, Rollouter
-    from app.serve_rollout import APP_NAME, HUB_NAME, build_app
+    from app.rollouter import Rollouter, rollouter_name
+    from app.serve_rollout import app_name, build_app, hub_name
     from app.sync import WeightHub
     from app.tracking import Tracker, default_uri
     from app.train_worker import train_worker
@@ -101,14 +101,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     started = start_ray(cfg)
     status = "FAILED"
     try:
-        hub = ray.remote(WeightHub).options(name=HUB_NAME, num_cpus=0).remote()
-        serve.run(build_app(cfg, inputs.model_path), name=APP_NAME, route_prefix=None)
+        hub = ray.remote(WeightHub).options(name=hub_name(cfg.ray.name), num_cpus=0).remote()
+        serve.run(build_app(cfg, inputs.model_path), name=app_name(cfg.ray.name), route_prefix=None)
         rollouter = (
             ray.remote(Rollouter)
-            .options(name=ROLLOUTER_NAME, num_cpus=0, max_concurrency=256)
+            .options(name=rollouter_name(cfg.ray.name), num_cpus=0, max_concurrency=256)
             .remote(to_container(cfg), inputs.model_path, inputs.train_rows, inputs.val_rows)
         )
-        ray.get(rollouter.progress.remote(), timeout=300)
+        ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
         t = cfg.train
         trainer = TorchTrainer(
             train_worker,
@@ -150,21 +150,32 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return out
     finally:
         tracker.end(status)
-        _teardown(started, [n for n in ("hub", "rollouter") if n in locals()], locals())
+        teardown(cfg, started)
 
 
-def _teardown(started: bool, names: list[str], scope: dict[str, Any]) -> None:
+def teardown(cfg: DictConfig, started: bool) -> None:
+    """Stop what this run started: the whole local cluster if it started one, else only its own parts."""
     import ray
     from ray import serve
 
-    try:
-        serve.shutdown()
-    except Exception as e:
-        log.warning("serve shutdown: %s", e)
-    for n in names:
-        try:
-            ray.kill(scope[n])
-        except Exception as e:
-            log.warning("killing %s: %s", n, e)
+    from app.rollouter import rollouter_name
+    from app.serve_rollout import app_name, hub_name
+
     if started:
+        try:
+            serve.shutdown()
+        except Exception as e:
+            log.warning("serve shutdown: %s", e)
         ray.shutdown()
+        return
+    try:
+        serve.delete(app_name(cfg.ray.name))
+    except Exception as e:
+        log.warning("deleting the rollout app: %s", e)
+    for name in (hub_name(cfg.ray.name), rollouter_name(cfg.ray.name)):
+        try:
+            ray.kill(ray.get_actor(name))
+        except ValueError:
+            pass
+        except Exception as e:
+            log.warning("killing %s: %s", name, e)

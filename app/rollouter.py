@@ -22,7 +22,9 @@ from app.rewards import resolve_reward_fn, score
 
 log = logging.getLogger(__name__)
 
-ROLLOUTER_NAME = "relay-rollouter"
+
+def rollouter_name(prefix: str) -> str:
+    return f"{prefix}-rollouter"
 
 
 class Tokenize:
@@ -96,11 +98,11 @@ class Rollouter:
         from ray import serve
         from transformers import AutoTokenizer
 
-        from app.serve_rollout import APP_NAME, DEPLOYMENT_NAME
+        from app.serve_rollout import DEPLOYMENT_NAME, app_name
 
         self.cfg = OmegaConf.create(cfg)
         self.tok = AutoTokenizer.from_pretrained(model_path)
-        self.handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+        self.handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(self.cfg.ray.name))
         d = self.cfg.data
         # tokenized once (in Ray Data), then shuffled and streamed epoch after epoch
         self.train_ds = prompt_dataset(

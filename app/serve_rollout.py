@@ -21,17 +21,21 @@ from app import vllm_adapter as vla
 
 log = logging.getLogger(__name__)
 
-HUB_NAME = "relay-weight-hub"
 DEPLOYMENT_NAME = "rollout"
-APP_NAME = "relay-rollout"
+
+
+def hub_name(prefix: str) -> str:
+    return f"{prefix}-weight-hub"
+
+
+def app_name(prefix: str) -> str:
+    return f"{prefix}-rollout"
 
 
 class RolloutServer:
     """One rollout replica: a vLLM engine plus its membership of the weight group."""
 
-    async def __init__(
-        self, model_path: str, engine: dict[str, Any], namespace_hub: str = HUB_NAME, poll_s: float = 2.0
-    ) -> None:
+    async def __init__(self, model_path: str, engine: dict[str, Any], hub: str, poll_s: float = 2.0) -> None:
         import ray
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -41,7 +45,7 @@ class RolloutServer:
         self.epoch = -1
         self.started = time.time()
         self.last_error: str | None = None
-        self.hub = ray.get_actor(namespace_hub)
+        self.hub = ray.get_actor(hub)
         self.poll_s = poll_s
         self.generated_tokens = 0
         self.busy = asyncio.Lock()  # weight loads and generation do not overlap
@@ -197,4 +201,4 @@ def build_app(cfg, model_path: str):
         }
     else:
         opts["num_replicas"] = r.min_replicas
-    return serve.deployment(RolloutServer, **opts).bind(model_path, engine)
+    return serve.deployment(RolloutServer, **opts).bind(model_path, engine, hub_name(cfg.ray.name))

@@ -1,0 +1,78 @@
+import pytest
+
+from app.config import ALL_KEYS, ConfigError, describe, load_config
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg.algorithm.mode == "sync"
+    assert cfg.train.workers == 2
+
+
+def test_overrides_and_types():
+    cfg = load_config(None, ["train.steps=7", "algorithm.mode=one_step_off", "train.betas=[0.8,0.9]"])
+    assert cfg.train.steps == 7 and cfg.algorithm.mode == "one_step_off"
+    assert list(cfg.train.betas) == [0.8, 0.9]
+
+
+def test_unknown_key_names_key_and_suggests():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.stepz=3"])
+    msg = str(e.value)
+    assert "train.stepz" in msg and "train.steps" in msg
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.steps'"):
+        load_config(None, ["trainer.steps=3"])
+
+
+def test_invalid_choice_lists_choices():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.mode=async"])
+    assert "algorithm.mode" in str(e.value) and "one_step_off" in str(e.value)
+
+
+def test_wrong_type():
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(None, ["train.steps=many"])
+
+
+def test_range_checks():
+    with pytest.raises(ConfigError, match="rollout.n"):
+        load_config(None, ["rollout.n=1"])
+    with pytest.raises(ConfigError, match="rollout.max_replicas"):
+        load_config(None, ["rollout.min_replicas=3", "rollout.max_replicas=2"])
+    with pytest.raises(ConfigError, match="max_model_len"):
+        load_config(None, ["rollout.max_model_len=16"])
+
+
+def test_override_without_equals():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["train.steps"])
+
+
+def test_yaml_file_and_unknown_key_in_file(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("train:\n  steps: 11\n")
+    assert load_config(str(good), ["train.lr=0.01"]).train.steps == 11
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  stepps: 11\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(bad))
+    assert "stepps" in str(e.value) and "bad.yaml" in str(e.value)
+
+
+def test_presets_load():
+    for name in ("default", "one_step_off", "quick"):
+        load_config(name)
+    with pytest.raises(ConfigError, match="presets"):
+        load_config("nope")
+
+
+def test_every_key_documented():
+    keys = {k for k, _, _ in describe()}
+    leaves = {k for k in ALL_KEYS if not any(o.startswith(k + ".") for o in ALL_KEYS)}
+    assert keys == leaves
+    undocumented = [k for k, _, doc in describe() if not doc]
+    assert not undocumented, f"document these keys in app/config.py: {undocumented}"
