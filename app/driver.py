@@ -82,7 +82,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import app_name, build_app, hub_name
+    from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
     from app.sync import WeightHub
     from app.tracking import Tracker, default_uri
     from app.train_worker import train_worker
@@ -101,11 +101,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     started = start_ray(cfg)
     status = "FAILED"
     try:
-        hub = ray.remote(WeightHub).options(name=hub_name(cfg.ray.name), num_cpus=0).remote()
+        hub = (
+            ray.remote(WeightHub)
+            .options(name=hub_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0)
+            .remote()
+        )
         serve.run(build_app(cfg, inputs.model_path), name=app_name(cfg.ray.name), route_prefix=None)
         rollouter = (
             ray.remote(Rollouter)
-            .options(name=rollouter_name(cfg.ray.name), num_cpus=0, max_concurrency=256)
+            .options(name=rollouter_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=256)
             .remote(to_container(cfg), inputs.model_path, inputs.train_rows, inputs.val_rows)
         )
         ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
@@ -159,7 +163,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     from ray import serve
 
     from app.rollouter import rollouter_name
-    from app.serve_rollout import app_name, hub_name
+    from app.serve_rollout import NAMESPACE, app_name, hub_name
 
     if started:
         try:
@@ -174,7 +178,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
         log.warning("deleting the rollout app: %s", e)
     for name in (hub_name(cfg.ray.name), rollouter_name(cfg.ray.name)):
         try:
-            ray.kill(ray.get_actor(name))
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:
             pass
         except Exception as e:

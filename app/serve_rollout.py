@@ -22,6 +22,7 @@ from app import vllm_adapter as vla
 log = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "rollout"
+NAMESPACE = "relay"  # named actors (hub, rollouter) live here, reachable from Serve replicas and jobs
 
 
 def hub_name(prefix: str) -> str:
@@ -45,7 +46,7 @@ class RolloutServer:
         self.epoch = -1
         self.started = time.time()
         self.last_error: str | None = None
-        self.hub = ray.get_actor(hub)
+        self.hub = ray.get_actor(hub, namespace=NAMESPACE)
         self.poll_s = poll_s
         self.generated_tokens = 0
         self.busy = asyncio.Lock()  # weight loads and generation do not overlap
@@ -66,6 +67,7 @@ class RolloutServer:
             top_p=req.get("top_p", 1.0),
             version=self.version,
             seed=req.get("seed"),
+            ignore_eos=req.get("ignore_eos", False),
         )
         self.generated_tokens += sum(len(s["token_ids"]) for s in samples)
         return {"samples": samples, "replica": self.replica_id, "version": self.version}
@@ -75,7 +77,14 @@ class RolloutServer:
         return {"logprobs": lps, "version": self.version, "replica": self.replica_id}
 
     async def info(self) -> dict[str, Any]:
+        import os
+
+        import psutil
+
+        children = [c.pid for c in psutil.Process().children(recursive=True)]
         return {
+            "pid": os.getpid(),
+            "child_pids": children,
             "replica": self.replica_id,
             "version": self.version,
             "epoch": self.epoch,

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -158,24 +160,61 @@ def plan_buckets(
     return PushPlan(version, tuple(buckets))
 
 
-_CK_MOD = 65521
+_CK_COLS = 4096
+_CK_MIX = 0x9E3779B97F4A7C15
+_U64 = 0xFFFFFFFFFFFFFFFF
 
 
 def checksum(flat: torch.Tensor) -> str:
     """Bit-level, position-sensitive checksum of a flat buffer, computed on its device.
 
-    The buffer's bytes are read as int32 words (bytes if the size is not a multiple of 4) and two sums are
-    kept in int64 with wrap-around: the plain sum and a position-weighted one. Wrap-around addition is
-    associative, so CPU and GPU reductions in any order agree bit for bit.
+    The buffer's bytes are read in place as int64 words (its last 0-7 bytes as extra small words), laid out
+    as rows of 4096 words. Three int64 sums with wrap-around are kept: the plain sum, the sum weighted by row
+    and the sum weighted by column (so a moved word changes one of them). Wrap-around addition is
+    associative, so CPU and GPU reductions in any order agree bit for bit. Cost: two reads of the buffer
+    (row and column sums), a few small kernels and one device sync; no int64 copy of the buffer is made.
     """
-    raw = flat.detach().contiguous().view(-1)
-    nbytes = raw.numel() * raw.element_size()
-    words = raw.view(torch.int32) if nbytes % 4 == 0 else raw.view(torch.uint8)
-    x = words.to(torch.int64)
-    w = torch.arange(x.numel(), device=x.device, dtype=torch.int64).remainder_(_CK_MOD).add_(1)
-    s1 = int(x.sum().item())
-    s2 = int((x * w).sum().item())
-    return f"{s1 & 0xFFFFFFFFFFFFFFFF:016x}{s2 & 0xFFFFFFFFFFFFFFFF:016x}"
+    return _ck_format(_checksum_sums(flat).tolist())
+
+
+def _checksum_sums(flat: torch.Tensor) -> torch.Tensor:
+    """`checksum`'s three sums as an int64 tensor on the buffer's device, without a device sync."""
+    raw = flat.detach().contiguous().view(-1).view(torch.uint8)
+    n8 = raw.numel() // 8
+    head = raw[: n8 * 8]
+    if head.storage_offset() % 8:  # an int64 view needs 8-byte alignment; the values do not depend on it
+        head = head.clone()
+    words = head.view(torch.int64)
+    rows = n8 // _CK_COLS
+    grid = words[: rows * _CK_COLS].view(rows, _CK_COLS)
+    row_sums, col_sums = grid.sum(dim=1), grid.sum(dim=0)
+    sums = torch.stack(
+        [
+            col_sums.sum(),
+            (row_sums * _ramp(rows, raw.device)).sum(),
+            (col_sums * _ramp(_CK_COLS, raw.device)).sum(),
+        ]
+    )
+    if rows * _CK_COLS < n8 or n8 * 8 < raw.numel():  # a tail: words after the last full row, then bytes
+        tail = torch.cat([words[rows * _CK_COLS :], raw[n8 * 8 :].to(torch.int64)])
+        t = tail.sum()
+        sums = sums + torch.stack([t, t * (rows + 1), (tail * _ramp(tail.numel(), raw.device)).sum()])
+    return sums
+
+
+@functools.lru_cache(maxsize=64)
+def _ramp(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, n + 1, device=device, dtype=torch.int64)
+
+
+def _ck_format(sums: list[int]) -> str:
+    a, b, c = sums
+    return f"{a & _U64:016x}{(b + c * _CK_MIX) & _U64:016x}"
+
+
+def _ck_strings(sums: list[torch.Tensor]) -> list[str]:
+    """Format the per-bucket sums of a whole push with one device sync."""
+    return [_ck_format(v) for v in torch.stack(sums).tolist()] if sums else []
 
 
 def unpack(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -202,6 +241,28 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend != "auto":
         return backend
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+_ABORTING: list[Any] = []  # NCCL groups whose abort is still running (see _abort_nccl)
+
+
+def _abort_nccl(pg: Any, wait_s: float) -> None:
+    """Abort an NCCL group from a helper thread; wait for it at most `wait_s` seconds.
+
+    ncclCommAbort first raises the abort flag (a stuck kernel leaves at once), then frees its resources in
+    step with the other ranks: with a peer that is alive but not taking part, that waits until the peer
+    aborts or dies. The caller must never wait on a peer, so the rest finishes in the background.
+    """
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            pg.abort()
+        _ABORTING.remove(pg)
+
+    _ABORTING.append(pg)
+    t = threading.Thread(target=run, name="relay-nccl-abort", daemon=True)
+    t.start()
+    t.join(wait_s)
 
 
 class StatelessGroup:
@@ -232,8 +293,16 @@ class StatelessGroup:
             self.pg = dist.ProcessGroupGloo(prefix, rank, world, self.timeout)
         elif backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
+            # `broadcast` enforces `timeout_s` itself and aborts the communicator on expiry; the watchdog,
+            # which at its own timeout kills the whole process, must only ever come later.
+            opts._timeout = self.nccl_timeout = self.timeout * 2 + timedelta(seconds=30)
             self.pg = dist.ProcessGroupNCCL(prefix, rank, world, opts)
+            # Connect now, not at the first broadcast (a blocking NCCL init that no deadline can interrupt):
+            # first wait, under the timeout, until every member has arrived; a missing one fails the join.
+            prefix.set(f"arrived/{rank}", "1")
+            prefix.wait([f"arrived/{r}" for r in range(world)], self.timeout)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.pg.eager_connect_single_device(torch.device("cuda", index))
         else:
             raise ValueError(f"unknown weight-group backend {backend!r}; use gloo or nccl")
 
@@ -241,18 +310,46 @@ class StatelessGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        opts.timeout = self.timeout
+        opts.timeout = self.nccl_timeout if self.backend == "nccl" else self.timeout
         work = self.pg.broadcast([t], opts)
-        work.wait(self.timeout)
+        if self.backend == "nccl":
+            self._wait_nccl(work)
+        else:
+            work.wait(self.timeout)
+
+    def _wait_nccl(self, work: Any) -> None:
+        """Wait for an NCCL operation under the group's deadline; on expiry abort the communicator and raise.
+
+        torch's `work.wait(timeout)` sleeps 1 ms between polls (a millisecond per bucket) and times out with
+        the watchdog, which then kills the process. Aborting first ends the stuck kernel and keeps the
+        process alive: the caller reports the failure and forms a new group.
+        """
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        polls = 0
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                pg, self.pg = self.pg, None
+                _abort_nccl(pg, wait_s=2.0)
+                log.warning(
+                    "weight group: NCCL broadcast past its %.0fs deadline, group aborted",
+                    self.timeout.total_seconds(),
+                )
+                raise SyncError(
+                    f"NCCL broadcast (rank {self.rank} of {self.world}) did not complete within "
+                    f"{self.timeout.total_seconds():.0f}s: a peer is dead or not taking part; group aborted"
+                )
+            polls += 1
+            if polls > 1000:
+                time.sleep(2e-4)
+        work.wait()  # raises the communicator's error, if any; orders the current stream after NCCL's
 
     def barrier(self) -> None:
         t = torch.zeros(1, device=self.device)
         self.broadcast(t)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.backend == "nccl":
-                self.pg.abort()
+        if self.backend == "nccl" and self.pg is not None:
+            _abort_nccl(self.pg, wait_s=10.0)
         self.pg = None  # type: ignore[assignment]
         self.store = None  # type: ignore[assignment]
 
@@ -275,6 +372,7 @@ def send_buckets(
     stats = PushStats(version=plan.version, nbytes=plan.nbytes, buckets=len(plan.buckets))
     t_start = time.perf_counter()
     error: BaseException | None = None
+    sums: list[torch.Tensor] = []
     for bucket in plan.buckets:
         t0 = time.perf_counter()
         tensors = gather([t.name for t in bucket.tensors])
@@ -284,7 +382,7 @@ def send_buckets(
             continue
         flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
         pack_into(bucket, tensors, flat)
-        ck = checksum(flat)
+        sums.append(_checksum_sums(flat))  # formatted after the walk: no device sync per bucket
         t2 = time.perf_counter()
         stats.pack_s += t2 - t1
         try:
@@ -294,7 +392,7 @@ def send_buckets(
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
         stats.transfer_s += time.perf_counter() - t2
-        stats.checksums.append(ck)
+    stats.checksums = _ck_strings(sums)
     stats.total_s = time.perf_counter() - t_start
     if error is not None:
         raise SyncError(f"weight push v{plan.version} failed in the broadcast: {error}") from error
@@ -308,18 +406,18 @@ def receive_buckets(
     device: torch.device | str = "cpu",
 ) -> tuple[list[str], dict[str, float]]:
     """Receive every bucket of `plan`, checksum it, and hand its tensors to `load`. Returns checksums, timings."""
-    checksums: list[str] = []
+    sums: list[torch.Tensor] = []
     timing = {"transfer_s": 0.0, "load_s": 0.0}
     for bucket in plan.buckets:
         t0 = time.perf_counter()
         flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
         group.broadcast(flat)
-        checksums.append(checksum(flat))
+        sums.append(_checksum_sums(flat))  # formatted after the walk: no device sync per bucket
         t1 = time.perf_counter()
         load(unpack(bucket, flat))
         timing["transfer_s"] += t1 - t0
         timing["load_s"] += time.perf_counter() - t1
-    return checksums, timing
+    return _ck_strings(sums), timing
 
 
 def iter_named_full(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -141,7 +141,7 @@ def train_worker(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
 
     from app.rollouter import rollouter_name
-    from app.serve_rollout import hub_name
+    from app.serve_rollout import NAMESPACE, hub_name
     from app.tracking import Tracker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -152,8 +152,8 @@ def train_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(cfg.train.worker_cpus)))
     learner = Learner(cfg, model_path, device)
     rank = learner.rank
-    hub = ray.get_actor(hub_name(cfg.ray.name))
-    rollouter = ray.get_actor(rollouter_name(cfg.ray.name))
+    hub = ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE)
+    rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
     sync = TrainerSync(cfg, learner, hub, device)
     tracker = Tracker(config["tracking_uri"], config["run_id"]) if rank == 0 else None
     t_out = cfg.train.timeout_s

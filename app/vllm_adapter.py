@@ -76,6 +76,7 @@ async def generate(
     top_p: float,
     version: int,
     seed: int | None = None,
+    ignore_eos: bool = False,
 ) -> list[dict[str, Any]]:
     """Token-in/token-out sampling. Each sample: token_ids, logprobs (of the sampled tokens), finish_reason,
     versions (one per token: native per-token version spans where vLLM has them, else the replica's)."""
@@ -91,6 +92,7 @@ async def generate(
         seed=seed,
         output_kind=RequestOutputKind.FINAL_ONLY,
         detokenize=False,
+        ignore_eos=ignore_eos,
     )
     final = None
     async for out in engine.generate({"prompt_token_ids": list(prompt_ids)}, params, uuid.uuid4().hex):

@@ -76,3 +76,22 @@ def test_every_key_documented():
     assert keys == leaves
     undocumented = [k for k, _, doc in describe() if not doc]
     assert not undocumented, f"document these keys in app/config.py: {undocumented}"
+
+
+def test_readme_documents_every_key():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [k for k, _, _ in describe() if f"`{k}`" not in readme]
+    assert not missing, f"README's config reference lacks {missing}: regenerate with `python -m app config`"
+
+
+def test_cli_bad_key_exits_2_with_message():
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-m", "app", "train", "train.stepz=3"], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 2
+    assert "unknown config key 'train.stepz'" in p.stderr and "train.steps" in p.stderr

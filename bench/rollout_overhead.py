@@ -1,0 +1,146 @@
+"""Generated tokens/s through Relay's Serve rollout path vs a raw vLLM AsyncLLM, same engine args and requests.
+
+    python bench/rollout_overhead.py [--prompts 64] [--n 8] [--max-tokens 64] [--rounds 3]
+
+Runs the raw engine first (in this process), shuts it down, then the same requests through one Serve replica
+(the deployment of app/serve_rollout.py, weight-sync loop running). Prints a final JSON line with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app import vllm_adapter as vla
+from app.config import load_config
+
+log = logging.getLogger("bench.rollout_overhead")
+
+
+def requests(prompts: list[list[int]], n: int, max_tokens: int) -> list[dict]:
+    return [
+        {
+            "prompt_ids": p,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "seed": i,
+            "ignore_eos": True,
+        }
+        for i, p in enumerate(prompts)
+    ]
+
+
+async def run_raw(model_path: str, engine_kw: dict, reqs: list[dict], rounds: int) -> list[float]:
+    engine = vla.create_engine(model_path, **engine_kw)
+    rates = []
+    try:
+        for r in range(rounds + 1):
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(
+                *[
+                    vla.generate(
+                        engine,
+                        q["prompt_ids"],
+                        n=q["n"],
+                        max_tokens=q["max_tokens"],
+                        temperature=1.0,
+                        top_p=1.0,
+                        version=0,
+                        seed=q["seed"],
+                        ignore_eos=True,
+                    )
+                    for q in reqs
+                ]
+            )
+            dt = time.perf_counter() - t0
+            toks = sum(len(s["token_ids"]) for o in outs for s in o)
+            if r > 0:  # round 0 warms up
+                rates.append(toks / dt)
+    finally:
+        vla.shutdown(engine)
+    return rates
+
+
+async def run_serve(handle, reqs: list[dict], rounds: int) -> list[float]:
+    rates = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*[handle.generate.remote(q) for q in reqs])
+        dt = time.perf_counter() - t0
+        toks = sum(len(s["token_ids"]) for o in outs for s in o["samples"])
+        if r > 0:
+            rates.append(toks / dt)
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = load_config(None, ["ray.name=bench", "rollout.max_model_len=256"])
+    os.environ.update(vla.cpu_env(cfg.rollout.kv_cache_gib))
+    from transformers import AutoTokenizer
+
+    from app.driver import resolve_inputs
+
+    inputs = resolve_inputs(cfg)
+    tok = AutoTokenizer.from_pretrained(inputs.model_path)
+    prompts = [tok.encode(r.prompt, add_special_tokens=False) for r in inputs.val_rows[: args.prompts]]
+    reqs = requests(prompts, args.n, args.max_tokens)
+    r = cfg.rollout
+    engine_kw = dict(
+        dtype=cfg.model.dtype,
+        max_model_len=r.max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        seed=cfg.seed,
+        use_gpu=False,
+    )
+    raw = asyncio.run(run_raw(inputs.model_path, engine_kw, reqs, args.rounds))
+    log.info("raw AsyncLLM: %s tokens/s", [round(x) for x in raw])
+
+    import ray
+    from ray import serve
+
+    from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
+    from app.sync import WeightHub
+
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    try:
+        hub = ray.remote(WeightHub).options(name=hub_name("bench"), namespace=NAMESPACE, num_cpus=0).remote()
+        ray.get(hub.status.remote())
+        handle = serve.run(build_app(cfg, inputs.model_path), name=app_name("bench"), route_prefix=None)
+        served = asyncio.run(run_serve(handle, reqs, args.rounds))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    log.info("Serve rollout: %s tokens/s", [round(x) for x in served])
+    raw_best, serve_best = max(raw), max(served)
+    result = {
+        "bench": "rollout_overhead",
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "raw_tokens_per_s": round(raw_best, 1),
+        "serve_tokens_per_s": round(serve_best, 1),
+        "serve_over_raw": round(serve_best / raw_best, 3),
+    }
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
