@@ -303,15 +303,24 @@ class StatelessGroup:
             prefix.wait([f"arrived/{r}" for r in range(world)], self.timeout)
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             self.pg.eager_connect_single_device(torch.device("cuda", index))
+            # NCCL connects its transports at the first collective, blocking the CPU until every peer takes
+            # part; do that here, while all are present, so a later broadcast never blocks on its launch
+            self.barrier()
         else:
             raise ValueError(f"unknown weight-group backend {backend!r}; use gloo or nccl")
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        self.wait(self.broadcast_async(t, src))
+
+    def broadcast_async(self, t: torch.Tensor, src: int = 0) -> Any:
+        """Start a broadcast of `t` and return its work; `wait` for it (NCCL runs it on its own stream)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         opts.timeout = self.nccl_timeout if self.backend == "nccl" else self.timeout
-        work = self.pg.broadcast([t], opts)
+        return self.pg.broadcast([t], opts)
+
+    def wait(self, work: Any) -> None:
         if self.backend == "nccl":
             self._wait_nccl(work)
         else:
@@ -382,11 +391,13 @@ def send_buckets(
             continue
         flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
         pack_into(bucket, tensors, flat)
-        sums.append(_checksum_sums(flat))  # formatted after the walk: no device sync per bucket
         t2 = time.perf_counter()
         stats.pack_s += t2 - t1
         try:
-            group.broadcast(flat)
+            work = group.broadcast_async(flat)
+            # checksummed while the bytes are in flight; formatted after the walk (no device sync per bucket)
+            sums.append(_checksum_sums(flat))
+            group.wait(work)
         except Exception as e:  # keep walking: the other ranks are waiting in the gathers
             error = e
         if flat.is_cuda:
@@ -405,18 +416,31 @@ def receive_buckets(
     load: Callable[[list[tuple[str, torch.Tensor]]], None],
     device: torch.device | str = "cpu",
 ) -> tuple[list[str], dict[str, float]]:
-    """Receive every bucket of `plan`, checksum it, and hand its tensors to `load`. Returns checksums, timings."""
+    """Receive every bucket of `plan`, checksum it, and hand its tensors to `load`. Returns checksums, timings.
+
+    Each bucket is checksummed and loaded while the next one is in flight; `load` sees the buckets in order.
+    """
     sums: list[torch.Tensor] = []
     timing = {"transfer_s": 0.0, "load_s": 0.0}
-    for bucket in plan.buckets:
-        t0 = time.perf_counter()
-        flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
-        group.broadcast(flat)
-        sums.append(_checksum_sums(flat))  # formatted after the walk: no device sync per bucket
+    t_start = time.perf_counter()
+    received: tuple[Bucket, torch.Tensor] | None = None
+
+    def finish(bucket: Bucket, flat: torch.Tensor) -> None:
         t1 = time.perf_counter()
+        sums.append(_checksum_sums(flat))  # formatted after the walk: no device sync per bucket
         load(unpack(bucket, flat))
-        timing["transfer_s"] += t1 - t0
         timing["load_s"] += time.perf_counter() - t1
+
+    for bucket in plan.buckets:
+        flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
+        work = group.broadcast_async(flat)
+        if received is not None:
+            finish(*received)
+        group.wait(work)
+        received = (bucket, flat)
+    if received is not None:
+        finish(*received)
+    timing["transfer_s"] = time.perf_counter() - t_start - timing["load_s"]
     return _ck_strings(sums), timing
 
 

@@ -57,10 +57,21 @@ def create_engine(
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
 
+def _seeded_sampling_ok() -> bool:
+    """Per-request seeds crash vLLM 0.32's CPU worker once a seeded request is preempted or its sampled token
+    discarded ("CPU Generator does not use offset" kills the engine core). On CPU the engine seed alone is used."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _spans_to_versions(spans: Any, n_tokens: int, fallback: int) -> list[int]:
     versions = [fallback] * n_tokens
     for sp in spans or []:
-        v = int(getattr(sp, "version", fallback))
+        raw = str(getattr(sp, "version", fallback))
+        v = (
+            int(raw) if raw.lstrip("-").isdigit() else fallback
+        )  # an engine never given a version says "default"
         for i in range(int(sp.start), min(int(sp.end), n_tokens)):
             versions[i] = v
     return versions
@@ -83,6 +94,8 @@ async def generate(
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    if seed is not None and not _seeded_sampling_ok():
+        seed = None
     params = SamplingParams(
         n=n,
         max_tokens=max_tokens,

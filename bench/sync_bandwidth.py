@@ -8,8 +8,9 @@ load, both read from the host's monotonic clock after a barrier; warm-up repetit
 of the rest is reported.
 
 Variants (each on both processes): `current` (app/sync.py as it is), `nockpt` (checksums replaced by a no-op:
-what verification costs), `legacy` (the checksum and NCCL wait of app/sync.py before the GPU tier: int32 words
-widened to int64 with a materialised weight ramp, and `work.wait(timeout)`, which polls with 1 ms sleeps).
+what verification costs), `legacy` (the checksum and NCCL wait of app/sync.py before the GPU tier, inside
+today's walk: int32 words widened to int64 with a materialised weight ramp and two device syncs per bucket,
+and `work.wait(timeout)`, which polls with 1 ms sleeps). `--trace SIZE` profiles one push of that size.
 
     python bench/sync_bandwidth.py                  # GPU: 0.5B,1.5B,3B,7B over NCCL; CPU (no CUDA): tiny over gloo
     python bench/sync_bandwidth.py --cpu --sizes tiny --reps 2
@@ -95,25 +96,23 @@ def legacy_sums(flat: torch.Tensor) -> torch.Tensor:
     return torch.tensor([*signed, 0], dtype=torch.int64)
 
 
-def legacy_broadcast(self: sync.StatelessGroup, t: torch.Tensor, src: int = 0) -> None:
-    opts = torch.distributed.BroadcastOptions()
-    opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self.timeout
-    self.pg.broadcast([t], opts).wait(self.timeout)
+def legacy_wait(self: sync.StatelessGroup, work: Any) -> None:
+    work.wait(self.timeout)  # torch polls with 1 ms sleeps when given a timeout
 
 
 @contextlib.contextmanager
 def variant(name: str, dev: torch.device):
-    saved = sync._checksum_sums, sync.StatelessGroup.broadcast
+    saved = sync._checksum_sums, sync.StatelessGroup.wait
     zeros = torch.zeros(3, dtype=torch.int64, device=dev)
     try:
         if name == "nockpt":
             sync._checksum_sums = lambda flat: zeros
         elif name == "legacy":
             sync._checksum_sums = legacy_sums
-            sync.StatelessGroup.broadcast = legacy_broadcast  # type: ignore[method-assign]
+            sync.StatelessGroup.wait = legacy_wait  # type: ignore[method-assign]
         yield
     finally:
-        sync._checksum_sums, sync.StatelessGroup.broadcast = saved  # type: ignore[method-assign]
+        sync._checksum_sums, sync.StatelessGroup.wait = saved  # type: ignore[method-assign]
 
 
 def profile_table(prof: Any, rows: int = 14) -> str:

@@ -2,7 +2,8 @@
 
 A push is complete only when the receiver acknowledged (version, checksums) on the control channel (a
 multiprocessing queue here, the WeightHub in the real system) within the deadline. The failure tests kill a
-receiver mid-push or leave one that never takes part in the broadcast: the push must fail within its
+receiver mid-push ("die") or leave one that joined the group but never takes part in the broadcast ("stuck";
+"stuck_alive" keeps it alive while the group is formed again without it): the push must fail within its
 deadline naming that receiver, and the same trainer process must push again once the group is formed anew.
 """
 
