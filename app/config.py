@@ -24,6 +24,7 @@ LOSS_AGG = ("token_mean", "seq_mean")
 KL_KINDS = ("k1", "k3", "low_var_kl")
 TRUNCATION = ("drop", "error")
 BACKENDS = ("auto", "gloo", "nccl")
+SCALING = ("auto", "external")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -71,6 +72,12 @@ class RolloutConfig:
     """Maximum replicas; above `min_replicas` Serve autoscales on ongoing requests."""
     target_ongoing_requests: float = 16.0
     """Serve autoscaling target per replica (only used when max_replicas > min_replicas)."""
+    scaling: str = "auto"
+    """auto: Serve autoscales between min_replicas and max_replicas on ongoing requests; external: start
+    min_replicas and let an operator scale through Serve's REST API (POST
+    /api/v1/applications/<ray.name>-rollout/deployments/rollout/scale)."""
+    join_timeout_s: float = 600.0
+    """Deadline for a replica started mid-run to receive the current weights before it may serve."""
     replica_cpus: float = 1.0
     """Logical CPUs (or GPUs on a GPU cluster, see `replica_gpus`) per vLLM replica."""
     replica_gpus: float = 0.0
@@ -147,7 +154,7 @@ class AlgorithmConfig:
 
 @dataclass
 class SyncConfig:
-    bucket_mb: float = 64.0
+    bucket_mb: float = 256.0
     """Weights are packed into flat buckets of at most this many MiB per broadcast."""
     timeout_s: float = 60.0
     """Deadline of one push: transfer, load and every replica's acknowledgement."""
@@ -266,6 +273,8 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
     _check("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for training rollouts")
     _check("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]")
     _check("rollout.min_replicas", cfg.rollout.min_replicas >= 1, "must be >= 1")
+    _check_choice("rollout.scaling", cfg.rollout.scaling, SCALING)
+    _check("rollout.join_timeout_s", cfg.rollout.join_timeout_s > 0, "must be > 0")
     _check(
         "rollout.max_replicas",
         cfg.rollout.max_replicas >= cfg.rollout.min_replicas,

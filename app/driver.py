@@ -10,6 +10,7 @@ Everything started here is stopped here, also when the run fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -70,7 +71,8 @@ def start_ray(cfg: DictConfig) -> bool:
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
         return False
-    ray.init(num_cpus=cfg.ray.num_cpus, runtime_env={"env_vars": env}, log_to_driver=True)
+    # address="local": a new cluster even where /tmp/ray/ray_current_cluster names a stale one
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus, runtime_env={"env_vars": env}, log_to_driver=True)
     return True
 
 
@@ -97,6 +99,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     tracker = Tracker.start(uri, cfg.tracking.experiment, name, flatten(cfg))
     tracker.artifact(str(run_dir / "config.yaml"))
     log.info("run %s: MLflow run %s at %s", name, tracker.run_id, uri)
+    tracker.start_system_metrics()
 
     started = start_ray(cfg)
     status = "FAILED"
@@ -106,7 +109,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             .options(name=hub_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0)
             .remote()
         )
-        serve.run(build_app(cfg, inputs.model_path), name=app_name(cfg.ray.name), route_prefix=None)
+        serve.run(
+            build_app(cfg, inputs.model_path),
+            name=app_name(cfg.ray.name),
+            route_prefix=None,
+            external_scaler_enabled=cfg.rollout.scaling == "external",
+        )
         rollouter = (
             ray.remote(Rollouter)
             .options(name=rollouter_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=256)
@@ -132,7 +140,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             ),
             run_config=RunConfig(name=name, storage_path=str(run_dir / "ray_train")),
         )
-        result = trainer.fit()
+        restore = _graceful_stop(hub)
+        try:
+            result = trainer.fit()
+        finally:
+            restore()  # the weight group's membership history: who joined when, at which version, who left
+            with contextlib.suppress(Exception):
+                members = ray.get(hub.status.remote(), timeout=10)
+                (run_dir / "rollout_members.json").write_text(json.dumps(members, indent=1))
+                tracker.artifact(str(run_dir / "rollout_members.json"))
         if result.error:
             raise result.error
         summary = run_dir / "summary.json"
@@ -147,14 +163,43 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "val_reward_first": m.get("val_reward_first"),
             "val_reward_last": m.get("val_reward_last"),
             "weight_version": m.get("weight_version"),
+            "stopped": m.get("stopped"),
             "final_checkpoint": m.get("final_checkpoint"),
             "wall_s": round(time.time() - t0, 1),
         }
         tracker.metrics({"run/wall_s": out["wall_s"]}, int(m.get("steps") or 0))
+        tracker.reward_curve(str(run_dir))
         return out
     finally:
         tracker.end(status)
         teardown(cfg, started)
+
+
+def _graceful_stop(hub: Any) -> Any:
+    """SIGTERM/SIGINT (Ctrl-C, `ray job stop`) during training: ask for a clean stop after the current step
+    (final checkpoint, MLflow run and RESULT as usual); a second signal interrupts at once."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: Any) -> None:
+        if getattr(handler, "fired", False):
+            raise KeyboardInterrupt(f"signal {signum} again: stopping now")
+        handler.fired = True  # type: ignore[attr-defined]
+        log.warning("signal %d: stopping cleanly after the current step (again to stop now)", signum)
+        hub.request_stop.remote(f"signal {signal.Signals(signum).name}")
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+    return restore
 
 
 def teardown(cfg: DictConfig, started: bool) -> None:

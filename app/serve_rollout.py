@@ -5,6 +5,12 @@ background loop that long-polls it: join a new epoch of the weight group, or rec
 the engine's weight version and acknowledge with checksums. Generation requests are token-in/token-out and
 return, per sample, the token ids, the sampled tokens' log-probs, the finish reason and the policy version
 of every token.
+
+Version-gated join: a replica started while a run is under way (autoscaling, or Serve replacing a dead one)
+registers, and its constructor waits until it has received and verified the current weights at the next
+version boundary (the trainer re-forms the group when membership changes). Serve routes no request to a
+replica before its constructor returns, so its first rollout tokens carry the current version. A replica
+removed by downscaling leaves the group in its destructor, after finishing a push already announced to it.
 """
 
 from __future__ import annotations
@@ -36,40 +42,80 @@ def app_name(prefix: str) -> str:
 class RolloutServer:
     """One rollout replica: a vLLM engine plus its membership of the weight group."""
 
-    async def __init__(self, model_path: str, engine: dict[str, Any], hub: str, poll_s: float = 2.0) -> None:
+    async def __init__(
+        self,
+        model_path: str,
+        engine: dict[str, Any],
+        hub: str,
+        poll_s: float = 2.0,
+        join_timeout_s: float = 600.0,
+    ) -> None:
         import ray
 
+        self.started = time.time()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = vla.create_engine(model_path, **engine)
         self.workers = 1  # tensor parallel size; each worker is one receiver rank
         self.version = -1  # weights from disk, not yet verified against the trainer's
         self.epoch = -1
-        self.started = time.time()
+        self.served_any = False
+        self.leaving = False
+        self.admitted = asyncio.Event()
         self.last_error: str | None = None
         self.hub = ray.get_actor(hub, namespace=NAMESPACE)
         self.poll_s = poll_s
         self.generated_tokens = 0
-        self.busy = asyncio.Lock()  # weight loads and generation do not overlap
+        self.ongoing = 0
+        from app.metrics import replica_metrics
+
+        self.metrics = replica_metrics()
+        self.tags = {"replica": self.replica_id}
         await vla.set_version(self.engine, self.version)
-        await self.hub.register.remote(self.replica_id, self.workers)
+        need = await self.hub.register.remote(self.replica_id, self.workers, self.started)
         self.loop_task = asyncio.get_running_loop().create_task(self._sync_loop())
+        if need < 0:  # the run is starting: the trainer's first push comes before any rollout
+            self.admitted.set()
+            return
+        log.info("replica %s waits for the weights of version >= %d before serving", self.replica_id, need)
+        try:
+            await asyncio.wait_for(self.admitted.wait(), timeout=join_timeout_s)
+        except asyncio.TimeoutError:
+            self.loop_task.cancel()
+            raise TimeoutError(
+                f"replica {self.replica_id} did not receive the current weights (version >= {need}) within "
+                f"rollout.join_timeout_s={join_timeout_s}s; last error: {self.last_error}; is the trainer "
+                "still pushing?"
+            ) from None
+        log.info("replica %s admitted at version %d", self.replica_id, self.version)
 
     # ------------------------------------------------------------ generation
 
     async def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         """req: prompt_ids, n, max_tokens, temperature, top_p, seed (optional)."""
-        samples = await vla.generate(
-            self.engine,
-            req["prompt_ids"],
-            n=req["n"],
-            max_tokens=req["max_tokens"],
-            temperature=req["temperature"],
-            top_p=req.get("top_p", 1.0),
-            version=self.version,
-            seed=req.get("seed"),
-            ignore_eos=req.get("ignore_eos", False),
-        )
-        self.generated_tokens += sum(len(s["token_ids"]) for s in samples)
+        if not self.served_any:
+            self.served_any = True
+            with contextlib.suppress(Exception):
+                await self.hub.served.remote(self.replica_id, self.version)
+        self.ongoing += 1
+        self.metrics.set("relay_replica_ongoing_requests", self.ongoing, self.tags)
+        try:
+            samples = await vla.generate(
+                self.engine,
+                req["prompt_ids"],
+                n=req["n"],
+                max_tokens=req["max_tokens"],
+                temperature=req["temperature"],
+                top_p=req.get("top_p", 1.0),
+                version=self.version,
+                seed=req.get("seed"),
+                ignore_eos=req.get("ignore_eos", False),
+            )
+        finally:
+            self.ongoing -= 1
+            self.metrics.set("relay_replica_ongoing_requests", self.ongoing, self.tags)
+        n_tok = sum(len(s["token_ids"]) for s in samples)
+        self.generated_tokens += n_tok
+        self.metrics.inc("relay_generated_tokens", n_tok, self.tags)
         return {"samples": samples, "replica": self.replica_id, "version": self.version}
 
     async def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
@@ -107,12 +153,16 @@ class RolloutServer:
                     self.replica_id, self.epoch, self.version, self.poll_s
                 )
             except Exception as e:  # the hub is gone: the run is over or restarting
+                if self.leaving:
+                    return
                 self.last_error = f"hub unreachable: {e}"
                 await asyncio.sleep(self.poll_s)
                 continue
             kind = instr["kind"]
+            if kind == "leave":
+                return
             if kind == "unknown":
-                await self.hub.register.remote(self.replica_id, self.workers)
+                await self.hub.register.remote(self.replica_id, self.workers, self.started)
             elif kind == "join":
                 await self._join(instr)
             elif kind == "push":
@@ -148,8 +198,10 @@ class RolloutServer:
             finally:
                 self.version = plan.version
                 await vla.set_version(self.engine, plan.version)
+                self.metrics.set("relay_replica_weight_version", plan.version, self.tags)
                 await vla.resume(self.engine)
             checksums = res[0]["checksums"]
+            self.admitted.set()
             await self.hub.ack.remote(
                 self.replica_id,
                 "push",
@@ -169,7 +221,15 @@ class RolloutServer:
                 await self.hub.ack.remote(self.replica_id, "push", plan.version, False, {"error": str(e)})
             self.epoch = -1  # rejoin at the next epoch
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve calls this when it removes the replica (downscaling, redeploy, shutdown): leave the weight
+        group cleanly (finishing a push already announced to this replica), then stop the engine."""
+        self.leaving = True
+        try:
+            await asyncio.wait_for(self.hub.leave.remote(self.replica_id), timeout=5)
+            await asyncio.wait_for(asyncio.shield(self.loop_task), timeout=20)
+        except Exception as e:  # the hub is gone (end of run) or a push never finished
+            log.info("replica %s: leaving without the hub's goodbye: %r", self.replica_id, e)
         with contextlib.suppress(Exception):
             self.loop_task.cancel()
         with contextlib.suppress(Exception):
@@ -198,9 +258,9 @@ def build_app(cfg, model_path: str):
         "max_ongoing_requests": max(64, r.max_num_seqs),
         "health_check_period_s": 10,
         "health_check_timeout_s": 60,
-        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_timeout_s": 30,  # time to finish an announced push and leave the group
     }
-    if r.max_replicas > r.min_replicas:
+    if r.scaling == "auto" and r.max_replicas > r.min_replicas:
         opts["autoscaling_config"] = {
             "min_replicas": r.min_replicas,
             "max_replicas": r.max_replicas,
@@ -210,4 +270,6 @@ def build_app(cfg, model_path: str):
         }
     else:
         opts["num_replicas"] = r.min_replicas
-    return serve.deployment(RolloutServer, **opts).bind(model_path, engine, hub_name(cfg.ray.name))
+    return serve.deployment(RolloutServer, **opts).bind(
+        model_path, engine, hub_name(cfg.ray.name), 2.0, r.join_timeout_s
+    )

@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -270,6 +270,8 @@ class StatelessGroup:
 
     Rank 0 (the trainer) hosts the store. Every operation has a timeout: a dead peer fails gloo at once and a
     silent one after `timeout_s`; for NCCL the caller must not trust completion (see the module docstring).
+    NCCL: the join connects every member (or fails after `timeout_s`), and a broadcast still running after
+    `timeout_s` aborts the group and raises SyncError; the process lives on and can form a new group.
     """
 
     def __init__(
@@ -459,9 +461,17 @@ class _Member:
     replica_id: str
     workers: int
     registered_at: float
-    alive: bool = True
+    started_at: float = 0.0  # when the replica's constructor began (for rollout/join_s)
+    alive: bool = True  # False once it left or was dropped: not part of the next epoch
+    leaving: bool = False  # it asked to leave (downscaling); it still finishes a push already announced
     version: int = -1
     epoch: int = -1
+    admitted_at: float | None = None  # first acknowledged push: from then on it serves rollout traffic
+    join_s: float | None = None
+    pushes: int = 0
+    first_served: dict[str, int] | None = None  # versions when it served its first rollout request
+    left_at: float | None = None
+    dropped: str | None = None
 
 
 class WeightHub:
@@ -479,21 +489,50 @@ class WeightHub:
         self.acks: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
         self.changed = asyncio.Condition()
         self.last_push: dict[str, Any] = {}
+        self.stop: str | None = None  # a clean stop was requested (signal, `ray job stop`): the reason
 
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
 
-    async def register(self, replica_id: str, workers: int = 1) -> None:
-        """A replica asks to join; it becomes a member at the next epoch."""
-        self.members[replica_id] = _Member(replica_id, workers, time.time())
+    async def register(self, replica_id: str, workers: int = 1, started_at: float | None = None) -> int:
+        """A replica asks to join; it becomes a member at the next epoch (the next push re-forms the group).
+
+        Returns the version the replica must hold before it may serve: -1 when nothing was pushed yet (the
+        run is starting and the trainer's first push comes before any rollout), else the latest version.
+        """
+        now = time.time()
+        self.members[replica_id] = _Member(replica_id, workers, now, started_at or now)
         log.info("replica %s registered with %d worker(s)", replica_id, workers)
         await self._notify()
+        return self.current_version()
+
+    def current_version(self) -> int:
+        return max(self.version, self.plan.version if self.plan is not None else -1)
 
     async def leave(self, replica_id: str) -> None:
-        if replica_id in self.members:
-            self.members[replica_id].alive = False
+        """A replica is going away (downscaling): it is left out of the next epoch; a push already announced
+        to its epoch is still delivered to it before its loop receives 'leave'."""
+        m = self.members.get(replica_id)
+        if m is not None and m.alive:
+            m.alive, m.leaving, m.left_at = False, True, time.time()
+            log.info("replica %s leaves the weight group", replica_id)
         await self._notify()
+
+    async def request_stop(self, reason: str) -> None:
+        """Ask the trainer to stop cleanly after the step in progress (it saves and reports as usual)."""
+        if self.stop is None:
+            self.stop = reason
+            log.warning("clean stop requested: %s", reason)
+
+    async def stop_reason(self) -> str | None:
+        return self.stop
+
+    async def served(self, replica_id: str, version: int) -> None:
+        """A replica reports its first rollout request and the version it served it with."""
+        m = self.members.get(replica_id)
+        if m is not None and m.first_served is None:
+            m.first_served = {"version": version, "hub_version": self.current_version()}
 
     def membership_changed(self) -> bool:
         if self.group is None:
@@ -526,9 +565,18 @@ class WeightHub:
         deadline = time.monotonic() + wait_s
         while True:
             m = self.members.get(replica_id)
+            g = self.group
+            if m is not None and m.leaving:
+                pending = (
+                    g is not None
+                    and g.epoch == epoch
+                    and replica_id in g.ranks
+                    and self.plan is not None
+                    and self.plan.version > version
+                )
+                return {"kind": "push", "plan": self.plan} if pending else {"kind": "leave"}
             if m is None or not m.alive:
                 return {"kind": "unknown"}
-            g = self.group
             if g is not None and replica_id in g.ranks and g.epoch != epoch:
                 return {"kind": "join", "group": g, "rank": g.ranks[replica_id]}
             if (
@@ -547,13 +595,19 @@ class WeightHub:
                     await asyncio.wait_for(self.changed.wait(), timeout=left)
 
     async def ack(self, replica_id: str, kind: str, key: int, ok: bool, detail: dict[str, Any]) -> None:
-        self.acks.setdefault((kind, key), {})[replica_id] = {"ok": ok, **detail}
+        entry = {"ok": ok, **detail}
         m = self.members.get(replica_id)
         if m is not None and ok:
             if kind == "join":
                 m.epoch = key
             elif kind == "push":
                 m.version = key
+                m.pushes += 1
+                if m.admitted_at is None:  # its first verified weights: admitted to serve
+                    m.admitted_at = time.time()
+                    m.join_s = m.admitted_at - m.started_at
+                    entry["join_s"] = m.join_s
+        self.acks.setdefault((kind, key), {})[replica_id] = entry
         await self._notify()
 
     async def wait_acks(self, kind: str, key: int, timeout_s: float) -> dict[str, dict[str, Any]]:
@@ -583,20 +637,21 @@ class WeightHub:
     async def drop(self, replica_ids: list[str]) -> None:
         """Remove members that failed a join or a push; they must register again to rejoin."""
         for rid in replica_ids:
-            if rid in self.members:
-                self.members[rid].alive = False
+            m = self.members.get(rid)
+            if m is not None and m.alive:
+                m.alive, m.dropped = False, "failed a join or push"
                 log.warning("replica %s dropped from the weight group", rid)
         await self._notify()
 
     async def status(self) -> dict[str, Any]:
+        """Version, epoch and every replica ever seen: liveness, version, admission and leave times."""
         return {
             "version": self.version,
             "epoch": self.group.epoch if self.group else None,
-            "members": {
-                rid: {"alive": m.alive, "version": m.version, "epoch": m.epoch}
-                for rid, m in self.members.items()
-            },
+            "group": sorted(self.group.ranks) if self.group else [],
+            "members": {rid: asdict(m) for rid, m in self.members.items()},
             "membership_changed": self.membership_changed(),
+            "stop": self.stop,
         }
 
 

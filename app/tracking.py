@@ -87,7 +87,47 @@ class Tracker:
     def dict(self, d: dict[str, Any], name: str) -> None:
         self.text(json.dumps(d, indent=2, default=str), name)
 
+    def start_system_metrics(self) -> None:
+        """CPU, memory, disk, network (and GPU where present) of this node, sampled every 10 s into the run."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._sysmon = SystemMetricsMonitor(self.run_id, sampling_interval=10, tracking_uri=self.uri)
+            self._sysmon.start()
+        except Exception as e:
+            log.warning("MLflow system metrics unavailable: %s", e)
+
+    def reward_curve(self, out_dir: str) -> None:
+        """Plot reward/mean and val/reward against the step, save as PNG and log it as an artifact."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for key, style in (("reward/mean", "-"), ("val/reward", "o-")):
+                hist = sorted(self.client.get_metric_history(self.run_id, key), key=lambda m: m.step)
+                if hist:
+                    ax.plot([m.step for m in hist], [m.value for m in hist], style, label=key)
+            ax.set_xlabel("step (weight version)")
+            ax.set_ylabel("reward")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            path = Path(out_dir) / "reward_curve.png"
+            fig.savefig(path, dpi=120, bbox_inches="tight")
+            plt.close(fig)
+            self.artifact(str(path))
+        except Exception as e:
+            log.warning("reward curve plot failed: %s", e)
+
     def end(self, status: str = "FINISHED") -> None:
+        mon = getattr(self, "_sysmon", None)
+        if mon is not None:
+            try:
+                mon.finish()
+            except Exception as e:
+                log.warning("stopping system metrics: %s", e)
         try:
             self.client.set_terminated(self.run_id, status=status)
         except Exception as e:

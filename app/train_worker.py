@@ -156,6 +156,9 @@ def train_worker(config: dict[str, Any]) -> None:
     rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
     sync = TrainerSync(cfg, learner, hub, device)
     tracker = Tracker(config["tracking_uri"], config["run_id"]) if rank == 0 else None
+    from app.metrics import trainer_metrics
+
+    prom = trainer_metrics()
     t_out = cfg.train.timeout_s
     a = cfg.algorithm
 
@@ -175,6 +178,7 @@ def train_worker(config: dict[str, Any]) -> None:
             {"val/reward": res["reward"], "val/version": version, "timing/val_s": res["seconds"]}, step
         )
         tracker.table(res["table"], f"samples/val_v{version:05d}.json")
+        prom.set("relay_val_reward", res["reward"])
         log.info("validation at version %d: reward %.3f over %d prompts", version, res["reward"], res["n"])
         return res["reward"]
 
@@ -188,6 +192,8 @@ def train_worker(config: dict[str, Any]) -> None:
         bar = tqdm(total=cfg.train.steps, desc="relay train")
     pending = None
     steps = cfg.train.steps
+    stop: str | None = None
+    done = 0
     t_run = time.perf_counter()
     for step in range(steps):
         t0 = time.perf_counter()
@@ -200,7 +206,8 @@ def train_worker(config: dict[str, Any]) -> None:
             if a.mode == "one_step_off" and step + 1 < steps:
                 pending = rollouter.generate_batch.remote(cfg.train.batch_groups)  # overlaps training
         t_wait = time.perf_counter() - t0
-        batch = _bcast(batch)
+        stop = ray.get(hub.stop_reason.remote(), timeout=30) if rank == 0 else None
+        batch, stop = _bcast((batch, stop))
         t1 = time.perf_counter()
         stats = learner.step(batch)
         t_train = time.perf_counter() - t1
@@ -222,13 +229,28 @@ def train_worker(config: dict[str, Any]) -> None:
                     "sync/transfer_s": push.transfer_s,
                     "sync/ack_s": push.ack_s,
                     "sync/bytes": float(push.nbytes),
+                    "rollout/replicas": float(len(push.extra)),
                     "perf/gen_tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
                     "perf/train_tokens_per_s": stats["train/tokens"] / max(t_train, 1e-9),
                     "weight/version": version,
                 }
             )
+            joins = [a["join_s"] for a in push.extra.values() if "join_s" in a]
+            if joins and step > 0:  # a replica admitted mid-run (the initial ones join at version 0)
+                m["rollout/join_s"] = max(joins)
             tracker.metrics(m, step + 1)
-            if (step + 1) % a.val_every == 0 or step + 1 == steps:
+            for k, name in (
+                ("rollout/replicas", "relay_rollout_replicas"),
+                ("weight/version", "relay_weight_version"),
+                ("staleness/mean", "relay_staleness_mean"),
+                ("staleness/max", "relay_staleness_max"),
+                ("sync/time_s", "relay_sync_seconds"),
+                ("reward/mean", "relay_reward_mean"),
+                ("perf/gen_tokens_per_s", "relay_gen_tokens_per_s"),
+                ("perf/train_tokens_per_s", "relay_train_tokens_per_s"),
+            ):
+                prom.set(name, m[k])
+            if (step + 1) % a.val_every == 0 or step + 1 == steps or stop:
                 val_last = validate(version, step + 1)
             bar.update(1)
             bar.set_description(f"relay v{version} reward {m['reward/mean']:.2f} val {val_last:.2f}")
@@ -241,6 +263,10 @@ def train_worker(config: dict[str, Any]) -> None:
                 t_train,
                 m["sync/time_s"],
             )
+        done = step + 1
+        if stop:
+            log.warning("stopping cleanly after step %d of %d: %s", done, steps, stop)
+            break
     final = os.path.join(config["run_dir"], "final")
     learner.save_hf(final, model_path)
     if rank == 0:
@@ -248,7 +274,8 @@ def train_worker(config: dict[str, Any]) -> None:
         bar.close()
     summary = {
         "weight_version": version,
-        "steps": steps,
+        "steps": done,
+        "stopped": stop,
         "val_reward_first": val_first,
         "val_reward_last": val_last,
         "train_wall_s": time.perf_counter() - t_run,

@@ -119,7 +119,7 @@ def main() -> None:
     from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
     from app.sync import WeightHub
 
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     try:
         hub = ray.remote(WeightHub).options(name=hub_name("bench"), namespace=NAMESPACE, num_cpus=0).remote()
         ray.get(hub.status.remote())

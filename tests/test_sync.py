@@ -192,3 +192,46 @@ def test_check_acks_names_missing_and_failed_replicas():
         check_acks(acks, "push", 4, ["a"], 30)
     assert "dead-1 did not acknowledge push 4 within 30s" in str(e.value)
     assert "bad-1 failed push 4: boom" in str(e.value)
+
+
+def test_hub_version_gated_join_and_clean_leave():
+    """A replica that registers mid-run must wait for the current version; one that leaves still gets the
+    push already announced to its epoch, then 'leave', and is out of the next epoch."""
+
+    async def scenario():
+        hub = WeightHub()
+        assert await hub.register("r1", 1, started_at=100.0) == -1  # run start: nothing pushed yet
+        g = await hub.open_epoch("127.0.0.1", 1, "gloo", 5.0)
+        await hub.ack("r1", "join", g.epoch, True, {})
+        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 0))
+        await hub.ack("r1", "push", 0, True, {})
+        await hub.wait_acks("push", 0, 0.1)
+        assert hub.version == 0 and hub.members["r1"].join_s is not None
+        # a second replica starts mid-run: it must hold version >= 0 before serving
+        assert await hub.register("r2", 1, started_at=time.time() - 3.0) == 0
+        assert hub.membership_changed()
+        g2 = await hub.open_epoch("127.0.0.1", 2, "gloo", 5.0)
+        assert set(g2.ranks) == {"r1", "r2"}
+        assert (await hub.next_instruction("r2", -1, -1, 0.1))["kind"] == "join"
+        for r in ("r1", "r2"):
+            await hub.ack(r, "join", g2.epoch, True, {})
+        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 1))
+        await hub.ack("r1", "push", 1, True, {})
+        await hub.ack("r2", "push", 1, True, {})
+        acks = await hub.wait_acks("push", 1, 0.1)
+        assert "join_s" in acks["r2"] and acks["r2"]["join_s"] >= 3.0 and "join_s" not in acks["r1"]
+        await hub.served("r2", 1)
+        assert hub.members["r2"].first_served == {"version": 1, "hub_version": 1}
+        # r2 leaves while version 2 is announced to its epoch: it still receives 2, then is told to leave
+        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 2))
+        await hub.leave("r2")
+        assert (await hub.next_instruction("r2", g2.epoch, 1, 0.1))["kind"] == "push"
+        await hub.ack("r2", "push", 2, True, {})
+        assert (await hub.next_instruction("r2", g2.epoch, 2, 0.1))["kind"] == "leave"
+        assert hub.membership_changed() and hub.alive_ids() == ["r1"]
+        g3 = await hub.open_epoch("127.0.0.1", 3, "gloo", 5.0)
+        assert set(g3.ranks) == {"r1"}  # the next push does not wait on the replica that is gone
+        st = await hub.status()
+        assert st["members"]["r2"]["leaving"] and st["members"]["r2"]["pushes"] == 2
+
+    asyncio.run(scenario())

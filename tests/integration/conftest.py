@@ -29,22 +29,96 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
+    """A Ray head started with the `ray` CLI (as a child process this session owns), and this process as its
+    driver. Jobs (`ray job submit`) and CLI runs (`python -m app train ray.address=...`) join it too."""
+    import subprocess
+    import sys
+    import time
+
     import ray
 
-    env = {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    ctx = ray.init(num_cpus=16, runtime_env={"env_vars": env}, include_dashboard=False, log_to_driver=False)
+    from app.sync import free_port
+
+    bin_dir = Path(sys.executable).parent
+    # Ray 2.60 turns token authentication on for new clusters; this throwaway loopback test cluster runs
+    # without it (the head, this driver and every job or CLI run the tests start inherit os.environ)
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE",)}
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+    }
+    port, dash = free_port(), free_port()
+    head = subprocess.Popen(
+        [
+            str(bin_dir / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--dashboard-port={dash}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=16",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     leftovers: list[int] = []
     try:
-        yield {"address": ctx.address_info["gcs_address"], "leftover_pids": leftovers}
+        deadline = time.monotonic() + 40
+        while True:
+            try:
+                ray.init(
+                    address=f"127.0.0.1:{port}",
+                    runtime_env={
+                        "env_vars": {
+                            k: env[k] for k in ("PYTHONPATH", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED")
+                        }
+                    },
+                    log_to_driver=False,
+                )
+                break
+            except Exception as e:
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the Ray head did not start (exit code {head.poll()}): {e}") from e
+                time.sleep(2)
+        yield {
+            "address": f"127.0.0.1:{port}",
+            "dashboard": f"http://127.0.0.1:{dash}",
+            "env": env,
+            "leftover_pids": leftovers,
+        }
     finally:
         from ray import serve
 
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
         for pid in leftovers:  # vLLM engine processes of the replicas, if any outlived them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

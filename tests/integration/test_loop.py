@@ -133,7 +133,8 @@ def test_cli_run_end_to_end(mode, ray_cluster, cache_dir, tmp_path):
         mean = [m.value for m in client.get_metric_history(res["run_id"], "staleness/mean")]
         assert sorted(mean) == [0, 1, 1, 1]
     artifacts = {a.path for a in client.list_artifacts(res["run_id"])}
-    assert {"config.yaml", "final_checkpoint", "samples"} <= artifacts
+    assert {"config.yaml", "final_checkpoint", "samples", "reward_curve.png"} <= artifacts
+    assert client.get_metric_history(res["run_id"], "system/cpu_utilization_percentage")
     final = Path(res["final_checkpoint"])
     assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
     initial = next(Path(cache_dir).glob("builtin-*/model"))
