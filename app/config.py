@@ -19,7 +19,10 @@ from omegaconf.errors import ConfigKeyError, ConfigTypeError, ValidationError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-MODES = ("sync", "one_step_off")
+MODES = ("sync", "one_step_off", "fully_async")
+PARTIAL = ("off", "keep", "resubmit")
+CORRECTIONS = ("none", "tis", "decoupled")
+OVER_BOUND = ("train", "regenerate")
 LOSS_AGG = ("token_mean", "seq_mean")
 KL_KINDS = ("k1", "k3", "low_var_kl")
 TRUNCATION = ("drop", "error")
@@ -54,6 +57,9 @@ class DataConfig:
     """Shuffle the training prompts at every epoch (seeded by `data.seed` + epoch)."""
     seed: int = 0
     """Seed of the per-epoch shuffle."""
+    epochs: int = 0
+    """Passes over the training prompts; 0: unlimited (`train.steps` ends the run). With a limit the run ends
+    when the data is exhausted: the last groups drain and are trained (a smaller last batch)."""
 
 
 @dataclass
@@ -76,6 +82,12 @@ class RolloutConfig:
     """auto: Serve autoscales between min_replicas and max_replicas on ongoing requests; external: start
     min_replicas and let an operator scale through Serve's REST API (POST
     /api/v1/applications/<ray.name>-rollout/deployments/rollout/scale)."""
+    max_inflight: int = 32
+    """fully_async: prompt groups generating at once (admission control may hold fewer)."""
+    partial: str = "keep"
+    """What a push does to generations in flight: `keep` freezes them and continues under the new weights
+    (KV cache recomputed), `resubmit` aborts them and resubmits prompt + partial response, `off` lets them
+    finish under the old weights before loading. Tokens always keep the version that produced them."""
     join_timeout_s: float = 600.0
     """Deadline for a replica started mid-run to receive the current weights before it may serve."""
     replica_cpus: float = 1.0
@@ -131,7 +143,22 @@ class TrainConfig:
 @dataclass
 class AlgorithmConfig:
     mode: str = "sync"
-    """`sync` (generate with version t, train, push) or `one_step_off` (generation of t+1 overlaps training)."""
+    """`sync` (generate with version t, train, push), `one_step_off` (generation of t+1 overlaps training) or
+    `fully_async` (groups stream into a bounded queue; staleness bounded by `max_staleness`)."""
+    max_staleness: float = 1.0
+    """fully_async: bound on trained-token staleness in versions (fractions allowed). Admission control
+    keeps started groups <= (max_staleness + replica version + 1) x train.batch_groups (AReaL's rule);
+    0 behaves as sync, 1 as one_step_off."""
+    sync_every: int = 1
+    """fully_async: push weights every this many optimizer steps (needs max_staleness >= sync_every - 1)."""
+    over_bound: str = "train"
+    """A group that still exceeds max_staleness when taken (a straggler): `train` it (with `correction`) or
+    `regenerate` its prompt. Either way it is counted (`async/over_bound`); nothing is dropped."""
+    correction: str = "none"
+    """Off-policy correction: `none` (PPO ratio against the behaviour log-probs), `tis` (clip against the
+    trainer's policy, weight by min(pi_prox/pi_behav, is_cap)), `decoupled` (AReaL: same, uncapped)."""
+    is_cap: float = 2.0
+    """Cap of the truncated importance weight (`correction=tis`)."""
     clip_low: float = 0.2
     """PPO ratio clip below: ratios under 1 - clip_low are clipped."""
     clip_high: float = 0.28
@@ -256,6 +283,21 @@ def _check(key: str, ok: bool, what: str) -> None:
 def validate(cfg: RelayConfig | DictConfig) -> None:
     """Range and choice checks that types alone cannot express."""
     _check_choice("algorithm.mode", cfg.algorithm.mode, MODES)
+    _check_choice("algorithm.correction", cfg.algorithm.correction, CORRECTIONS)
+    _check_choice("algorithm.over_bound", cfg.algorithm.over_bound, OVER_BOUND)
+    _check_choice("rollout.partial", cfg.rollout.partial, PARTIAL)
+    _check("algorithm.max_staleness", cfg.algorithm.max_staleness >= 0, "must be >= 0")
+    _check("algorithm.sync_every", cfg.algorithm.sync_every >= 1, "must be >= 1")
+    _check(
+        "algorithm.max_staleness",
+        cfg.algorithm.mode != "fully_async" or cfg.algorithm.max_staleness >= cfg.algorithm.sync_every - 1,
+        f"{cfg.algorithm.max_staleness} < algorithm.sync_every - 1 = {cfg.algorithm.sync_every - 1}: between "
+        "pushes the replicas lag the trainer by up to sync_every - 1 versions; raise max_staleness or push "
+        "more often",
+    )
+    _check("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1")
+    _check("rollout.max_inflight", cfg.rollout.max_inflight >= 1, "must be >= 1")
+    _check("data.epochs", cfg.data.epochs >= 0, "must be >= 0 (0: unlimited)")
     _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGG)
     _check_choice("algorithm.kl_kind", cfg.algorithm.kl_kind, KL_KINDS)
     _check_choice("data.truncation", cfg.data.truncation, TRUNCATION)

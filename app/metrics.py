@@ -59,6 +59,7 @@ def trainer_metrics() -> Metrics:
         gauges={
             "relay_weight_version": "latest weight version pushed by the trainer",
             "relay_rollout_replicas": "rollout replicas in the weight group at the last push",
+            "relay_queue_depth": "fully_async: finished groups waiting for the trainer",
             "relay_staleness_mean": "mean per-token staleness of the last trained batch",
             "relay_staleness_max": "max per-token staleness of the last trained batch",
             "relay_sync_seconds": "duration of the last weight push (transfer, load, acknowledgements)",

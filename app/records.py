@@ -30,6 +30,7 @@ class Group:
     samples: list[Sample]
     epoch: int = 0
     prompt_text: str = ""
+    data_source: str = ""
 
     @property
     def min_version(self) -> int:
@@ -48,6 +49,7 @@ class Batch:
     generate_s: float = 0.0
     dropped_overlong: int = 0
     reward_errors: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)  # stream metrics (fully_async)
 
     @property
     def num_tokens(self) -> int:

@@ -49,6 +49,7 @@ class RolloutServer:
         hub: str,
         poll_s: float = 2.0,
         join_timeout_s: float = 600.0,
+        partial: str = "keep",
     ) -> None:
         import ray
 
@@ -64,6 +65,7 @@ class RolloutServer:
         self.last_error: str | None = None
         self.hub = ray.get_actor(hub, namespace=NAMESPACE)
         self.poll_s = poll_s
+        self.partial = partial
         self.generated_tokens = 0
         self.ongoing = 0
         from app.metrics import replica_metrics
@@ -192,7 +194,7 @@ class RolloutServer:
 
         t0 = time.perf_counter()
         try:
-            await vla.pause(self.engine)
+            await vla.pause(self.engine, self.partial)
             try:
                 res = await vla.rpc(self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan))
             finally:
@@ -271,5 +273,5 @@ def build_app(cfg, model_path: str):
     else:
         opts["num_replicas"] = r.min_replicas
     return serve.deployment(RolloutServer, **opts).bind(
-        model_path, engine, hub_name(cfg.ray.name), 2.0, r.join_timeout_s
+        model_path, engine, hub_name(cfg.ray.name), 2.0, r.join_timeout_s, r.partial
     )

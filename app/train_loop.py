@@ -167,7 +167,8 @@ class Learner:
         # rows runs a zero-weight pass on a copy of a row
         n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world) / mbs))
         self.model.train()
-        sums = torch.zeros(6, dtype=torch.float64)  # loss*tok, kl*tok, entropy*tok, clipped, tokens, mismatch
+        # loss*tok, kl*tok, entropy*tok, clipped, tokens, mismatch, is-weight sum, is-weight max
+        sums = torch.zeros(8, dtype=torch.float64)
         for k in range(n_micro):
             part = mine[k * mbs : (k + 1) * mbs]
             weight = 1.0
@@ -175,9 +176,30 @@ class Learner:
                 part, weight = (mine or rows)[:1], 0.0
             mb = collate(part, self.pad_id, self.device)
             logp, logits = response_logprobs(self.model, mb)
-            loss_tok, clipped = grpo.policy_loss(
-                logp, mb["old"], mb["adv"], mb["mask"], a.clip_low, a.clip_high, a.max_log_ratio
-            )
+            if a.correction == "none":
+                loss_tok, clipped = grpo.policy_loss(
+                    logp, mb["old"], mb["adv"], mb["mask"], a.clip_low, a.clip_high, a.max_log_ratio
+                )
+                w_is = torch.ones_like(logp)
+            else:
+                # one optimizer step per batch: the proximal policy is the trainer's current one, so its
+                # log-probs are this forward's, detached (no extra forward pass)
+                prox = logp.detach()
+                cap = a.is_cap if a.correction == "tis" else None
+                loss_tok, clipped = grpo.decoupled_policy_loss(
+                    logp,
+                    prox,
+                    mb["old"],
+                    mb["adv"],
+                    mb["mask"],
+                    a.clip_low,
+                    a.clip_high,
+                    cap,
+                    a.max_log_ratio,
+                )
+                w_is = grpo.clamped_ratio(prox, mb["old"], a.max_log_ratio)
+                if cap is not None:
+                    w_is = w_is.clamp(max=cap)
             kl_tok = torch.zeros_like(loss_tok)
             if self.ref is not None:
                 with torch.no_grad():
@@ -200,9 +222,13 @@ class Learner:
                         float((clipped.float() * m).sum()),
                         float(m.sum()),
                         float(((logp - mb["old"]).abs() * m).sum()),
+                        float((w_is * m).sum()),
+                        0.0,
                     ],
                     dtype=torch.float64,
                 )
+                if float(m.sum()) > 0:
+                    sums[7] = max(float(sums[7]), float(w_is[m > 0].max()))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -213,9 +239,11 @@ class Learner:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         if dist.is_initialized():
-            red = sums.to(self.device) if self.device.type == "cuda" else sums
+            red = sums[:7].clone().to(self.device)
             dist.all_reduce(red)
-            sums = red.cpu()
+            mx = sums[7:].clone().to(self.device)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            sums = torch.cat([red.cpu(), mx.cpu()])
         tok = max(1.0, float(sums[4]))
         return {
             "loss/policy": float(sums[0]) / tok,
@@ -224,6 +252,8 @@ class Learner:
             "actor/clip_frac": float(sums[3]) / tok,
             "actor/grad_norm": grad_norm,
             "actor/logprob_mismatch": float(sums[5]) / tok,
+            "actor/is_weight_mean": float(sums[6]) / tok,
+            "actor/is_weight_max": float(sums[7]),
             "actor/lr": self.sched.get_last_lr()[0],
             "train/skipped_steps": 0.0 if finite else 1.0,
             "train/tokens": total_tokens,
@@ -280,11 +310,37 @@ class Learner:
 
 
 def staleness(batch: Batch, version: int) -> dict[str, float]:
-    """Per-token staleness: the trainer's version minus the version that sampled the token."""
+    """Per-token staleness (the trainer's version minus the version that sampled the token), its mean by
+    response-length decile (`staleness/len_decile_0` holds the shortest tenth), and how many groups span
+    more than one version (partial rollouts)."""
     vals = [version - v for g in batch.groups for s in g.samples for v in s.versions]
     if not vals:
         return {"staleness/mean": 0.0, "staleness/max": 0.0}
-    return {"staleness/mean": sum(vals) / len(vals), "staleness/max": float(max(vals))}
+    out = {"staleness/mean": sum(vals) / len(vals), "staleness/max": float(max(vals))}
+    samples = [s for g in batch.groups for s in g.samples if s.versions]
+    for i, m in enumerate(staleness_by_length_decile(samples, version)):
+        out[f"staleness/len_decile_{i}"] = m
+    spans = [g.max_version - g.min_version for g in batch.groups if g.samples]
+    out["async/partial_ratio"] = sum(1 for x in spans if x > 0) / max(1, len(spans))
+    out["async/max_version_span"] = float(max(spans, default=0))
+    return out
+
+
+def staleness_by_length_decile(samples: list, version: int) -> list[float]:
+    """Mean per-token staleness of the samples in each response-length decile (shortest first).
+
+    Samples are sorted by length and cut into ten equal-count slices (fewer when there are under ten
+    samples); a slice's value is the mean over its tokens.
+    """
+    ordered = sorted(samples, key=lambda s: len(s.token_ids))
+    n = len(ordered)
+    k = min(10, n)
+    out = []
+    for i in range(k):
+        part = ordered[i * n // k : (i + 1) * n // k]
+        toks = [version - v for s in part for v in s.versions]
+        out.append(sum(toks) / len(toks) if toks else 0.0)
+    return out
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:

@@ -162,9 +162,9 @@ def train_worker(config: dict[str, Any]) -> None:
     t_out = cfg.train.timeout_s
     a = cfg.algorithm
 
-    def fetch(ref: Any, what: str) -> Any:
+    def fetch(ref: Any, what: str, slack: float = 0.0) -> Any:
         try:
-            return ray.get(ref, timeout=t_out)
+            return ray.get(ref, timeout=t_out + slack)
         except ray.exceptions.GetTimeoutError:
             prog = ray.get(rollouter.progress.remote(), timeout=10)
             status = ray.get(hub.status.remote(), timeout=10)
@@ -172,16 +172,29 @@ def train_worker(config: dict[str, Any]) -> None:
                 f"waited train.timeout_s={t_out}s for {what}; rollouter={prog}; hub={status}"
             ) from None
 
-    def validate(version: int, step: int) -> float:
-        res = fetch(rollouter.validate.remote(), f"validation of version {version}")
+    def log_val(res: dict[str, Any], version: int, step: int) -> float:
         tracker.metrics(
-            {"val/reward": res["reward"], "val/version": version, "timing/val_s": res["seconds"]}, step
+            {
+                "val/reward": res["reward"],
+                "val/version": version,
+                "val/version_max": res.get("version_max", version),
+                "timing/val_s": res["seconds"],
+            },
+            step,
         )
         tracker.table(res["table"], f"samples/val_v{version:05d}.json")
         prom.set("relay_val_reward", res["reward"])
         log.info("validation at version %d: reward %.3f over %d prompts", version, res["reward"], res["n"])
         return res["reward"]
 
+    validated = {"version": -1}
+
+    def validate(version: int, step: int) -> float:
+        validated["version"] = version
+        return log_val(fetch(rollouter.validate.remote(), f"validation of version {version}"), version, step)
+
+    fully_async = a.mode == "fully_async"
+    trained_log = Path(config["run_dir"], "trained_groups.jsonl")
     version, val_first, val_last = 0, None, None
     sync.push(version)  # the replicas now hold exactly the trainer's weights, verified by checksum
     bar = None
@@ -190,24 +203,40 @@ def train_worker(config: dict[str, Any]) -> None:
         from ray.experimental.tqdm_ray import tqdm
 
         bar = tqdm(total=cfg.train.steps, desc="relay train")
+        if fully_async:
+            ray.get(rollouter.start_stream.remote(), timeout=60)
     pending = None
+    val_pending: tuple[Any, int] | None = None  # fully_async: validation running beside training
     steps = cfg.train.steps
     stop: str | None = None
     done = 0
+    pushed = 0
     t_run = time.perf_counter()
     for step in range(steps):
         t0 = time.perf_counter()
         batch = None
         if rank == 0:
-            if pending is None:
-                pending = rollouter.generate_batch.remote(cfg.train.batch_groups)
-            batch = fetch(pending, f"rollout batch {step}")
-            pending = None
-            if a.mode == "one_step_off" and step + 1 < steps:
-                pending = rollouter.generate_batch.remote(cfg.train.batch_groups)  # overlaps training
+            if fully_async:
+                batch = fetch(
+                    rollouter.get_batch.remote(cfg.train.batch_groups, version, t_out),
+                    f"{cfg.train.batch_groups} finished groups for step {step}",
+                    slack=30.0,  # the rollouter's own deadline fires first, with its report
+                )
+            else:
+                if pending is None:
+                    pending = rollouter.generate_batch.remote(cfg.train.batch_groups)
+                batch = fetch(pending, f"rollout batch {step}")
+                pending = None
+                if a.mode == "one_step_off" and step + 1 < steps:
+                    pending = rollouter.generate_batch.remote(cfg.train.batch_groups)  # overlaps training
         t_wait = time.perf_counter() - t0
         stop = ray.get(hub.stop_reason.remote(), timeout=30) if rank == 0 else None
+        if rank == 0 and not batch.groups:
+            stop = "the training data is exhausted (data.epochs) and every group was trained"
         batch, stop = _bcast((batch, stop))
+        if not batch.groups:
+            log.info("stopping after %d steps: %s", done, stop)
+            break
         t1 = time.perf_counter()
         stats = learner.step(batch)
         t_train = time.perf_counter() - t1
@@ -215,30 +244,60 @@ def train_worker(config: dict[str, Any]) -> None:
             ray.wait([pending], timeout=t_out)  # the push must not land in the middle of generation t+1
         t_overlap_wait = time.perf_counter() - t1 - t_train
         version += 1
-        push = sync.push(version)
+        last = step + 1 == steps or bool(stop)
+        push = None
+        if not fully_async or (step + 1) % a.sync_every == 0 or last:
+            push = sync.push(version)
+            pushed = version
+            if rank == 0 and fully_async:
+                ray.get(rollouter.on_push.remote(version), timeout=30)
         if rank == 0:
-            m = {**stats, **batch_metrics(batch), **staleness(batch, version - 1)}
+            m = {**stats, **batch_metrics(batch), **staleness(batch, version - 1), **batch.extra}
+            step_s = time.perf_counter() - t0
             m.update(
                 {
                     "timing/generate_s": batch.generate_s,
                     "timing/wait_rollout_s": t_wait + t_overlap_wait,
                     "timing/train_s": t_train,
-                    "timing/step_s": time.perf_counter() - t0,
-                    "sync/time_s": push.total_s + push.ack_s,
-                    "sync/gather_s": push.gather_s,
-                    "sync/transfer_s": push.transfer_s,
-                    "sync/ack_s": push.ack_s,
-                    "sync/bytes": float(push.nbytes),
-                    "rollout/replicas": float(len(push.extra)),
+                    "timing/step_s": step_s,
+                    "async/trainer_idle_ratio": (t_wait + t_overlap_wait) / max(step_s, 1e-9),
                     "perf/gen_tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
                     "perf/train_tokens_per_s": stats["train/tokens"] / max(t_train, 1e-9),
                     "weight/version": version,
+                    "weight/pushed_version": pushed,
                 }
             )
-            joins = [a["join_s"] for a in push.extra.values() if "join_s" in a]
-            if joins and step > 0:  # a replica admitted mid-run (the initial ones join at version 0)
-                m["rollout/join_s"] = max(joins)
+            if push is not None:
+                pauses = [x.get("pause_s", 0.0) for x in push.extra.values()]
+                m.update(
+                    {
+                        "sync/time_s": push.total_s + push.ack_s,
+                        "sync/gather_s": push.gather_s,
+                        "sync/transfer_s": push.transfer_s,
+                        "sync/ack_s": push.ack_s,
+                        "sync/pause_s": max(pauses, default=0.0),
+                        "sync/bytes": float(push.nbytes),
+                        "rollout/replicas": float(len(push.extra)),
+                    }
+                )
+                joins = [x["join_s"] for x in push.extra.values() if "join_s" in x]
+                if joins and step > 0:  # a replica admitted mid-run (the initial ones join at version 0)
+                    m["rollout/join_s"] = max(joins)
             tracker.metrics(m, step + 1)
+            with open(trained_log, "a") as f:  # accounting: every trained group, once, with its versions
+                for g in batch.groups:
+                    f.write(
+                        json.dumps(
+                            {
+                                "uid": g.uid,
+                                "step": step + 1,
+                                "trained_at": version - 1,
+                                "min_version": g.min_version,
+                                "max_version": g.max_version,
+                            }
+                        )
+                        + "\n"
+                    )
             for k, name in (
                 ("rollout/replicas", "relay_rollout_replicas"),
                 ("weight/version", "relay_weight_version"),
@@ -248,29 +307,53 @@ def train_worker(config: dict[str, Any]) -> None:
                 ("reward/mean", "relay_reward_mean"),
                 ("perf/gen_tokens_per_s", "relay_gen_tokens_per_s"),
                 ("perf/train_tokens_per_s", "relay_train_tokens_per_s"),
+                ("async/queue_depth", "relay_queue_depth"),
             ):
-                prom.set(name, m[k])
-            if (step + 1) % a.val_every == 0 or step + 1 == steps or stop:
+                if k in m:
+                    prom.set(name, m[k])
+            if fully_async:  # validation runs on the replicas beside the stream; logged when it lands
+                if val_pending is not None and ray.wait([val_pending[0]], timeout=0)[0]:
+                    val_last = log_val(ray.get(val_pending[0]), val_pending[1], step + 1)
+                    val_pending = None
+                if last:
+                    if val_pending is not None:
+                        val_last = log_val(fetch(val_pending[0], "validation"), val_pending[1], step + 1)
+                        val_pending = None
+                    val_last = validate(version, step + 1)
+                elif (step + 1) % a.val_every == 0 and val_pending is None:
+                    val_pending = (rollouter.validate.remote(), pushed)
+            elif (step + 1) % a.val_every == 0 or last:
                 val_last = validate(version, step + 1)
             bar.update(1)
             bar.set_description(f"relay v{version} reward {m['reward/mean']:.2f} val {val_last:.2f}")
             log.info(
-                "step %d: reward %.3f loss %.4f gen %.2fs train %.2fs sync %.3fs",
+                "step %d: reward %.3f loss %.4f gen %.2fs train %.2fs sync %.3fs staleness %.2f",
                 step + 1,
                 m["reward/mean"],
                 m["loss/policy"],
                 batch.generate_s,
                 t_train,
-                m["sync/time_s"],
+                m.get("sync/time_s", 0.0),
+                m["staleness/mean"],
             )
         done = step + 1
         if stop:
             log.warning("stopping cleanly after step %d of %d: %s", done, steps, stop)
             break
+    if rank == 0 and fully_async:
+        ray.get(rollouter.stop_stream.remote(), timeout=30)
+        if val_pending is not None:
+            val_last = log_val(fetch(val_pending[0], "validation"), val_pending[1], done)
+    if pushed != version:  # the data ran out between pushes: the replicas get the final weights too
+        sync.push(version)
+    if rank == 0 and validated["version"] != version:
+        val_last = validate(version, done)
     final = os.path.join(config["run_dir"], "final")
     learner.save_hf(final, model_path)
     if rank == 0:
         tracker.artifact(final, "final_checkpoint")
+        if trained_log.exists():
+            tracker.artifact(str(trained_log))
         bar.close()
     summary = {
         "weight_version": version,

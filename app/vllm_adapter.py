@@ -162,9 +162,15 @@ async def rpc(engine, method: str, timeout: float | None = None, **kwargs: Any) 
     return await engine.collective_rpc(method, timeout=timeout, kwargs=kwargs)
 
 
-async def pause(engine) -> None:
+PAUSE_MODES = {"keep": "keep", "resubmit": "abort", "off": "wait"}  # rollout.partial -> vLLM pause mode
+
+
+async def pause(engine, partial: str = "keep") -> None:
+    """Pause generation for a weight load. `keep`: in-flight requests freeze and continue after resume with
+    their KV cache recomputed; `resubmit`: they are aborted (the caller resubmits them); `off`: they finish
+    under the old weights first."""
     if hasattr(engine, "pause_generation"):
-        await engine.pause_generation(mode="keep", clear_cache=True)
+        await engine.pause_generation(mode=PAUSE_MODES[partial], clear_cache=True)
 
 
 async def resume(engine) -> None:

@@ -1,5 +1,6 @@
 """Trainer pieces without Ray: batch layout, one-process learning, and FSDP2 over two gloo processes."""
 
+import math
 import multiprocessing as mp
 import os
 
@@ -48,7 +49,11 @@ def test_flatten_and_collate_alignment():
     assert mb["mask"].tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
     assert mb["old"][0].tolist() == [0, 0, -0.5, -0.25]
     assert mb["adv"][1, 2].item() == pytest.approx(-1.0, abs=1e-5)
-    assert staleness(b, 4) == {"staleness/mean": pytest.approx((1 + 1 + 2) / 3), "staleness/max": 2.0}
+    st = staleness(b, 4)
+    assert st["staleness/mean"] == pytest.approx((1 + 1 + 2) / 3) and st["staleness/max"] == 2.0
+    # deciles by response length (two samples: the 1-token one, then the 2-token one)
+    assert st["staleness/len_decile_0"] == 2.0 and st["staleness/len_decile_1"] == 1.0
+    assert st["async/partial_ratio"] == 1.0 and st["async/max_version_span"] == 1.0  # versions 2..3
 
 
 def _setup(tmp_path):
@@ -71,6 +76,37 @@ def test_single_process_step_raises_rewarded_logprob(tmp_path):
     after = learner.logprobs_of(prompt, [eight])[0]
     assert after > before + 0.1
     assert m["actor/grad_norm"] > 0 and 0 <= m["actor/clip_frac"] <= 1
+
+
+def test_off_policy_corrections_weight_stale_tokens(tmp_path):
+    """Behaviour log-probs far below the trainer's (stale samples): `none` clips the ratio (no gradient on
+    rewarded tokens whose ratio is past 1 + clip_high), `tis` weights by min(pi/mu, cap), `decoupled`
+    uncapped; with on-policy behaviour log-probs all three give the same step."""
+    path, tok, prompt = _setup(tmp_path)
+    eight, one = tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1")
+    out = {}
+    for corr in ("none", "tis", "decoupled"):
+        cfg = load_config(None, ["train.micro_batch_size=4", f"algorithm.correction={corr}"])
+        learner = Learner(cfg, path, torch.device("cpu"))
+        on = _batch(eight, one, tok.eos_token_id, prompt)
+        for g in on.groups:  # on-policy: behaviour log-probs = the trainer's own
+            for smp in g.samples:
+                smp.logprobs = learner.logprobs_of(prompt, smp.token_ids)
+        stale = _batch(eight, one, tok.eos_token_id, prompt)
+        for g in stale.groups:  # behaviour policy much less likely (log-prob 3 below): weight e^3 ~ 20
+            for smp in g.samples:
+                smp.logprobs = [lp - 3.0 for lp in learner.logprobs_of(prompt, smp.token_ids)]
+        lr0 = learner.opt.param_groups[0]["lr"]
+        learner.opt.param_groups[0]["lr"] = 0.0  # measure, do not move
+        out[corr] = (learner.step(on), learner.step(stale))
+        learner.opt.param_groups[0]["lr"] = lr0
+    for corr in ("tis", "decoupled"):
+        assert out[corr][0]["loss/policy"] == pytest.approx(out["none"][0]["loss/policy"], abs=1e-6)
+        assert out[corr][0]["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert out["none"][1]["actor/clip_frac"] > 0.4  # stale positive-advantage tokens are clipped
+    assert out["tis"][1]["actor/is_weight_max"] == pytest.approx(2.0)  # capped at algorithm.is_cap
+    assert out["decoupled"][1]["actor/is_weight_max"] == pytest.approx(math.exp(3.0), rel=1e-3)
+    assert out["tis"][1]["actor/clip_frac"] == 0.0  # clipped against the trainer's own policy instead
 
 
 def _fsdp_worker(rank: int, port: int, path: str, prompt: list[int], toks: tuple[int, int, int], q) -> None:
