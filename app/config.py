@@ -44,7 +44,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train: str = "builtin:arith"
-    """`builtin:arith`, or a .parquet (verl layout) / .jsonl (`{"prompt", "answer"}`) file."""
+    """`builtin:arith`, `builtin:code` (small programs with tests, scored in the sandbox), or a .parquet
+    (verl layout) / .jsonl (`{"prompt", "answer"}`) file."""
     val: str = "builtin:arith"
     """Validation split: `builtin:arith` (its held-out split) or a file like `train`."""
     max_prompt_tokens: int = 64
@@ -82,6 +83,8 @@ class RolloutConfig:
     """auto: Serve autoscales between min_replicas and max_replicas on ongoing requests; external: start
     min_replicas and let an operator scale through Serve's REST API (POST
     /api/v1/applications/<ray.name>-rollout/deployments/rollout/scale)."""
+    ignore_eos: bool = False
+    """Always generate `max_tokens` tokens (benchmarks, and tests of long generations with a tiny model)."""
     max_inflight: int = 32
     """fully_async: prompt groups generating at once (admission control may hold fewer)."""
     partial: str = "keep"
@@ -194,7 +197,7 @@ class SyncConfig:
 @dataclass
 class RewardConfig:
     fn: str = "auto"
-    """`auto` (per data source), `exact_match`, `gsm8k`, or a dotted path `pkg.module:function`/`pkg.module.function`."""
+    """`auto` (per data source), `exact_match`, `gsm8k`, `code` (sandboxed tests), or a dotted path `pkg.module:function`/`pkg.module.function`."""
     timeout_s: float = 10.0
     """Deadline for one reward computation; a timeout scores `on_error`."""
     on_error: float = 0.0
@@ -211,6 +214,8 @@ class TrackingConfig:
     """Run name (default: relay-<timestamp>); also names the run folder."""
     log_samples: int = 8
     """Sample generations logged as a table at each validation."""
+    register_model: str = ""
+    """If set, register the final checkpoint in the MLflow model registry under this name (a new version)."""
 
 
 @dataclass
@@ -298,6 +303,13 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
     _check("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1")
     _check("rollout.max_inflight", cfg.rollout.max_inflight >= 1, "must be >= 1")
     _check("data.epochs", cfg.data.epochs >= 0, "must be >= 0 (0: unlimited)")
+    _check(
+        "data.train",
+        not (cfg.model.path == "builtin:tiny" and "builtin:code" in (cfg.data.train, cfg.data.val)),
+        "builtin:code needs a real instruction-tuned model.path (the tiny model's character tokenizer "
+        "only knows the arithmetic task's characters); set model.path, data.max_prompt_tokens>=160 and "
+        "rollout.max_tokens>=256",
+    )
     _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGG)
     _check_choice("algorithm.kl_kind", cfg.algorithm.kl_kind, KL_KINDS)
     _check_choice("data.truncation", cfg.data.truncation, TRUNCATION)

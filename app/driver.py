@@ -38,7 +38,7 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
     """The model folder and the prompt rows, building the embedded default where asked."""
     root = None
     model_path = cfg.model.path
-    if model_path == "builtin:tiny" or "builtin:" in cfg.data.train or "builtin:" in cfg.data.val:
+    if model_path == "builtin:tiny" or "builtin:arith" in (cfg.data.train, cfg.data.val):
         from app.tiny import ensure_builtin
 
         root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
@@ -53,8 +53,14 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
     def rows(spec: str, split: str) -> list[PromptRow]:
         if spec == "builtin:arith":
             return load_rows(str(root / f"{split}.jsonl"))
+        if spec == "builtin:code":
+            from app.code_task import ensure_code_task
+
+            return load_rows(str(ensure_code_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl"))
         if spec.startswith("builtin:"):
-            raise ValueError(f"data.{split}={spec!r}: unknown built-in task; available: builtin:arith")
+            raise ValueError(
+                f"data.{split}={spec!r}: unknown built-in task; available: builtin:arith, builtin:code"
+            )
         return load_rows(spec)
 
     return Inputs(str(Path(model_path).resolve()), rows(cfg.data.train, "train"), rows(cfg.data.val, "val"))

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from app.sandbox import code_reward
+
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float | dict]
@@ -79,7 +81,7 @@ def gsm8k_reward(response: str, answer: str, flexible: bool = False) -> float:
     return 1.0 if truth is not None and pred is not None and truth == pred else 0.0
 
 
-BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k_reward}
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k_reward, "code": code_reward}
 
 
 def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
@@ -91,11 +93,14 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     """
     spec = (spec or "").strip()
     if spec == "auto":
-        return gsm8k_reward if data_source and "gsm8k" in data_source.lower() else exact_match
+        source = (data_source or "").lower()
+        if source == "code":  # app.code_task's rows: run the program on the row's tests in the sandbox
+            return code_reward
+        return gsm8k_reward if "gsm8k" in source else exact_match
     if spec in BUILTINS:
         return BUILTINS[spec]
     hint = (
-        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k' or a dotted path "
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'code' or a dotted path "
         "'pkg.module:function' to a function importable from the working directory (PYTHONPATH)"
     )
     if ":" in spec:

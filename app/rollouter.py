@@ -197,6 +197,7 @@ class Rollouter:
             "temperature": temperature,
             "top_p": r.top_p if temperature > 0 else 1.0,
             "seed": seed,
+            "ignore_eos": r.ignore_eos,
         }
         last: Exception | None = None
         for attempt in range(3):  # a replica that died mid-request: Serve routes the retry elsewhere

@@ -466,6 +466,7 @@ class _Member:
     leaving: bool = False  # it asked to leave (downscaling); it still finishes a push already announced
     version: int = -1
     epoch: int = -1
+    push_epoch: int = -1  # the epoch of its last acknowledged push (a retried push comes in a new epoch)
     admitted_at: float | None = None  # first acknowledged push: from then on it serves rollout traffic
     join_s: float | None = None
     pushes: int = 0
@@ -539,6 +540,9 @@ class WeightHub:
             return bool(self.alive_ids())
         return set(self.group.ranks) != set(self.alive_ids())
 
+    async def alive_count(self) -> int:
+        return len(self.alive_ids())
+
     def alive_ids(self) -> list[str]:
         return sorted(m.replica_id for m in self.members.values() if m.alive)
 
@@ -584,7 +588,11 @@ class WeightHub:
                 and g.epoch == epoch
                 and replica_id in g.ranks
                 and self.plan is not None
-                and self.plan.version > version
+                # a newer version, or the same version retried in a new epoch (the replica may have received
+                # it before a broadcast failed elsewhere: every member must take part in the retry)
+                and (
+                    self.plan.version > version or (self.plan.version == version and m.push_epoch != g.epoch)
+                )
             ):
                 return {"kind": "push", "plan": self.plan}
             left = deadline - time.monotonic()
@@ -602,6 +610,7 @@ class WeightHub:
                 m.epoch = key
             elif kind == "push":
                 m.version = key
+                m.push_epoch = self.group.epoch if self.group else -1
                 m.pushes += 1
                 if m.admitted_at is None:  # its first verified weights: admitted to serve
                     m.admitted_at = time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -68,6 +69,19 @@ class Tracker:
             self.client.log_table(self.run_id, data=cols, artifact_file=name)
         except Exception as e:
             log.warning("MLflow log_table failed: %s", e)
+
+    def register(self, artifact_path: str, name: str) -> str | None:
+        """Register a logged artifact folder as a new version of model `name`; returns the version."""
+        try:
+            src = f"runs:/{self.run_id}/{artifact_path}"
+            with contextlib.suppress(Exception):
+                self.client.create_registered_model(name)
+            mv = self.client.create_model_version(name, src, run_id=self.run_id)
+            log.info("registered %s as model %s version %s", src, name, mv.version)
+            return str(mv.version)
+        except Exception as e:
+            log.warning("MLflow model registration failed: %s", e)
+            return None
 
     def artifact(self, path: str, artifact_path: str | None = None) -> None:
         try:

@@ -56,10 +56,20 @@ class TrainerSync:
             self.group = None
         s = self.cfg.sync
         host = ray.util.get_node_ip_address()
+        # every replica gone (died, being restarted by Serve): wait for one to register, within a deadline
+        wait_s = self.cfg.rollout.join_timeout_s
+        deadline = time.monotonic() + wait_s
+        while not ray.get(self.hub.alive_count.remote()):
+            if time.monotonic() > deadline:
+                raise SyncError(
+                    f"no rollout replica registered with the weight hub within rollout.join_timeout_s={wait_s}s"
+                    " (the Serve deployment has no running replica: see the Serve view of the dashboard)"
+                )
+            time.sleep(1.0)
         for _attempt in range(3):
             info = ray.get(self.hub.open_epoch.remote(host, free_port(), self.backend, s.timeout_s))
             if info.world == 1:
-                raise SyncError("no rollout replica is registered with the weight hub")
+                continue  # the last replica left between the check and the epoch
             t0 = time.perf_counter()
             try:
                 group = StatelessGroup(
@@ -108,7 +118,9 @@ class TrainerSync:
                     err = str(e)
                 if self.rank == 0:
                     t0 = time.perf_counter()
-                    acks = ray.get(self.hub.wait_acks.remote("push", version, s.timeout_s))
+                    # after a transport failure (a receiver died mid-push) only collect who answered
+                    ack_wait = s.timeout_s if err is None else min(5.0, s.timeout_s)
+                    acks = ray.get(self.hub.wait_acks.remote("push", version, ack_wait))
                     stats.ack_s = time.perf_counter() - t0
                     try:
                         check_acks(
@@ -352,6 +364,8 @@ def train_worker(config: dict[str, Any]) -> None:
     learner.save_hf(final, model_path)
     if rank == 0:
         tracker.artifact(final, "final_checkpoint")
+        if cfg.tracking.register_model:
+            tracker.register("final_checkpoint", cfg.tracking.register_model)
         if trained_log.exists():
             tracker.artifact(str(trained_log))
         bar.close()

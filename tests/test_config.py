@@ -95,3 +95,8 @@ def test_cli_bad_key_exits_2_with_message():
     )
     assert p.returncode == 2
     assert "unknown config key 'train.stepz'" in p.stderr and "train.steps" in p.stderr
+
+
+def test_builtin_code_task_needs_a_real_model():
+    with pytest.raises(ConfigError, match="builtin:code needs a real instruction-tuned model.path"):
+        load_config(None, ["data.train=builtin:code"])

@@ -225,3 +225,11 @@ def test_score_hanging_function_is_abandoned():
 def test_score_no_deadline():
     assert score(lambda r, a: 1.0, "", "", 0, 0.0).score == 1.0
     assert score(lambda r, a: 1.0, "", "", math.inf, 0.0).score == 1.0
+
+
+def test_auto_reward_routes_code_rows_to_the_sandbox():
+    from app.rewards import resolve_reward_fn
+    from app.sandbox import code_reward
+
+    assert resolve_reward_fn("auto", "code") is code_reward
+    assert resolve_reward_fn("code", "anything") is code_reward

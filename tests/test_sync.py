@@ -229,8 +229,18 @@ def test_hub_version_gated_join_and_clean_leave():
         await hub.ack("r2", "push", 2, True, {})
         assert (await hub.next_instruction("r2", g2.epoch, 2, 0.1))["kind"] == "leave"
         assert hub.membership_changed() and hub.alive_ids() == ["r1"]
+        await hub.ack(
+            "r1", "push", 2, True, {}
+        )  # r1 got version 2 in epoch g2 (the broadcast failed elsewhere)
         g3 = await hub.open_epoch("127.0.0.1", 3, "gloo", 5.0)
         assert set(g3.ranks) == {"r1"}  # the next push does not wait on the replica that is gone
+        # a push retried in a new epoch reaches a replica that already holds that version (it must take
+        # part in the broadcast again), but only once per epoch
+        await hub.ack("r1", "join", g3.epoch, True, {})
+        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 2))
+        assert (await hub.next_instruction("r1", g3.epoch, 2, 0.1))["kind"] == "push"
+        await hub.ack("r1", "push", 2, True, {})
+        assert (await hub.next_instruction("r1", g3.epoch, 2, 0.1))["kind"] == "idle"
         st = await hub.status()
         assert st["members"]["r2"]["leaving"] and st["members"]["r2"]["pushes"] == 2
 

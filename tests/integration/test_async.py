@@ -66,7 +66,9 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         f"algorithm.max_staleness={eta}",
         f"algorithm.correction={correction}",
         f"rollout.partial={partial}",
-        "rollout.max_tokens=16",
+        "rollout.max_tokens=64",  # long generations (EOS ignored) so that pushes land mid-generation
+        "rollout.ignore_eos=true",
+        "rollout.max_model_len=160",
         "rollout.max_inflight=6",
         "train.steps=100",  # the data (20 prompts, one epoch) ends the run first
         f"data.train={tmp_path / 'train.jsonl'}",
@@ -95,5 +97,12 @@ def test_fully_async_drains_the_data_once_within_the_bound(
     beyond = [t for t in trained if t["trained_at"] - t["min_version"] > -(-eta // 1)]
     assert len(beyond) == over  # every group past the bound was counted (and trained with correction)
     assert max(m.value for m in client.get_metric_history(res["run_id"], "staleness/max")) <= 3
+    # pushes landed while groups were generating: their tokens span versions (keep: continued under the new
+    # weights; resubmit: aborted and resubmitted as prompt + partial response)
+    spans = [t["max_version"] - t["min_version"] for t in trained]
+    assert max(spans) >= 1, spans
+    if partial == "resubmit":
+        assert client.get_metric_history(res["run_id"], "async/resubmitted")[-1].value > 0
+    assert max(m.value for m in client.get_metric_history(res["run_id"], "async/partial_ratio")) > 0
     val_versions = [m.value for m in client.get_metric_history(res["run_id"], "val/version")]
     assert val_versions[0] == 0 and len(val_versions) >= 2

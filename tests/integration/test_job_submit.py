@@ -40,6 +40,7 @@ def test_ray_job_submit_trains_and_reports(ray_cluster, cache_dir, tmp_path):
         "ray.name=job",
         f"run_dir={tmp_path}",
         f"model.cache_dir={cache_dir}",
+        "tracking.register_model=relay-job-test",
     ]
     sub = subprocess.run(
         [
@@ -78,3 +79,5 @@ def test_ray_job_submit_trains_and_reports(ray_cluster, cache_dir, tmp_path):
     assert res["ok"] and res["steps"] == 2 and res["weight_version"] == 2
     run = MlflowClient(res["tracking_uri"]).get_run(res["run_id"])
     assert run.info.status == "FINISHED" and run.data.metrics["weight/version"] == 2
+    (mv,) = MlflowClient(res["tracking_uri"]).search_model_versions("name='relay-job-test'")
+    assert mv.run_id == res["run_id"]  # the final checkpoint, registered

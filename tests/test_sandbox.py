@@ -1,0 +1,374 @@
+"""Tests for app.sandbox: hostile programs are stopped within their deadline and the host stays fine.
+
+Every test asserts its deadline (wall < limits.wall_s + 3 s). Tests of a protection the machine cannot
+provide (no network namespace, no pid namespace, ...) are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from app import sandbox
+from app.sandbox import Isolation, RunResult, SandboxLimits, code_reward, extract_program, run_program
+
+FAST = SandboxLimits(cpu_s=1.0, wall_s=5.0)  # busy loops stop at 1 s of CPU; wall: room for load
+SLACK_S = 3.0
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux only")
+
+
+def run(code: str, stdin: str = "", limits: SandboxLimits = FAST) -> RunResult:
+    """run_program, asserting that it returned within its deadline."""
+    t0 = time.monotonic()
+    res = run_program(code, stdin, limits)
+    elapsed = time.monotonic() - t0
+    assert res.status in sandbox.STATUSES
+    assert res.wall_s < limits.wall_s + SLACK_S, res
+    assert elapsed < limits.wall_s + SLACK_S, (elapsed, res)
+    return res
+
+
+def plan() -> Isolation:
+    return sandbox.isolation()
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Pids of live processes whose command line contains `marker`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (d / "cmdline").read_bytes():
+                found.append(int(d.name))
+        except OSError:
+            pass  # exited meanwhile, or not ours to read
+    return found
+
+
+def host_can_fork() -> bool:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 7 and subprocess.run(["true"], check=False).returncode == 0
+
+
+def reexec_with_marker(marker: str, body: str) -> str:
+    """A program that re-executes itself as `python -c BODY MARKER`, so that every process it (and its
+    children) runs carries the marker in its command line."""
+    return f"import os, sys\nos.execv(sys.executable, [sys.executable, '-I', '-S', '-c', {body!r}, {marker!r}])\n"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Ordinary programs
+
+
+def test_isolation_is_probed_and_described():
+    iso = plan()
+    assert "netns=" in iso.describe()
+    if os.geteuid() == 0:
+        assert iso.uid is not None or not iso.prefix  # root always drops to an unprivileged uid
+    assert plan() is iso  # probed once, cached
+
+
+def test_correct_program_reads_stdin_and_passes():
+    res = run("s = input()\nprint(s[::-1])\n", "hello\n")
+    assert (res.status, res.returncode, res.stdout, res.detail) == ("ok", 0, "olleh\n", "")
+
+
+def test_unicode_roundtrip():
+    res = run("print(input().upper())", "grüße ✓\n")
+    assert res.status == "ok" and res.stdout == "GRÜSSE ✓\n"
+
+
+def test_syntax_error_is_an_error():
+    res = run("def f(:\n  pass\n")
+    assert res.status == "error" and res.returncode == 1
+    assert "SyntaxError" in res.stderr
+
+
+def test_exception_and_exit_code_are_errors():
+    assert run("raise ValueError('boom')").status == "error"
+    res = run("import sys; sys.exit(3)")
+    assert (res.status, res.returncode) == ("error", 3)
+
+
+def test_environment_is_minimal_and_cwd_is_private():
+    code = (
+        "import json, os, sys\n"
+        "open('scratch.txt', 'w').write('x')\n"
+        "print(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd(), 'files': os.listdir('.'),"
+        " 'isolated': sys.flags.isolated, 'no_site': sys.flags.no_site,"
+        " 'fds': sorted(int(f) for f in os.listdir('/proc/self/fd'))}))\n"
+    )
+    before = {p.name for p in Path(tempfile.gettempdir()).glob("relay-sandbox-*")}
+    res = run(code)
+    assert res.status == "ok", res
+    info = json.loads(res.stdout)
+    assert set(info["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "LC_CTYPE"}
+    assert "PYTHONPATH" not in info["env"]
+    assert info["env"]["HOME"] == info["cwd"]
+    assert sorted(info["files"]) == ["prog.py", "scratch.txt"]
+    assert info["isolated"] == 1 and info["no_site"] == 1
+    assert info["fds"][:3] == [0, 1, 2] and len(info["fds"]) <= 4  # +1: the listdir's own fd
+    after = {p.name for p in Path(tempfile.gettempdir()).glob("relay-sandbox-*")}
+    assert after <= before  # the temporary directory is gone
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hostile programs
+
+
+def test_infinite_loop_hits_the_cpu_limit():
+    res = run("while True:\n    pass\n")
+    assert res.status == "timeout", res
+    assert res.wall_s < FAST.wall_s + SLACK_S
+
+
+def test_sleeping_program_hits_the_wall_clock_limit():
+    limits = SandboxLimits(cpu_s=5.0, wall_s=1.0)
+    res = run("import time\ntime.sleep(60)\n", limits=limits)
+    assert res.status == "timeout" and "wall" in res.detail, res
+    assert 1.0 <= res.wall_s < 1.0 + SLACK_S
+
+
+def test_memory_hog_hits_the_memory_limit():
+    res = run("x = bytearray(2 * 1024**3)\n")
+    assert res.status == "memory", res
+    res = run("chunks = []\nwhile True:\n    chunks.append(bytearray(10 * 1024**2))\n")
+    assert res.status == "memory", res
+
+
+def test_gigantic_output_is_capped_without_memory_growth():
+    rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    res = run("import sys\nblock = 'x' * 10**6\nwhile True:\n    sys.stdout.write(block)\n")
+    assert res.status == "output_limit", res
+    assert len(res.stdout) == FAST.output_bytes
+    res = run("import os\nwhile True:\n    os.write(2, b'y' * 10**6)\n")
+    assert res.status == "output_limit", res
+    assert len(res.stderr) == FAST.output_bytes
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / 1024
+    assert grown_mb < 64
+
+
+def test_big_file_in_the_work_dir_is_capped():
+    res = run("with open('big', 'wb') as f:\n    while True:\n        f.write(b'z' * 10**6)\n")
+    assert res.status in ("error", "output_limit"), res
+    assert "File too large" in res.stderr or res.status == "output_limit"
+
+
+def test_fork_bomb_is_contained_and_leaves_nothing_behind():
+    marker = f"relay-bomb-{uuid.uuid4().hex}"
+    body = "import os\nwhile True:\n    os.fork()\n"
+    res = run(reexec_with_marker(marker, body))
+    assert res.status != "ok", res
+    time.sleep(0.2)
+    assert marked_pids(marker) == []
+    assert host_can_fork()
+
+
+def test_fork_bomb_is_capped_by_max_procs():
+    iso = plan()
+    if iso.uid is None and not iso.userns:
+        pytest.skip(f"no process cap without a uid drop or user namespace ({iso.describe()})")
+    code = (
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+        "except OSError as e:\n    print(n, e.errno)\n"
+    )
+    res = run(code)
+    assert res.status == "ok", res
+    forked, errno = map(int, res.stdout.split())
+    assert forked < FAST.max_procs and errno == 11  # EAGAIN from RLIMIT_NPROC
+    assert host_can_fork()
+
+
+def test_processes_escaping_the_group_are_killed():
+    if not plan().pidns:
+        pytest.skip(f"setsid() escapees are only contained in a pid namespace ({plan().describe()})")
+    marker = f"relay-escape-{uuid.uuid4().hex}"
+    body = "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(60)\n"
+    res = run(reexec_with_marker(marker, body))
+    assert res.status == "ok", res
+    time.sleep(0.2)
+    assert marked_pids(marker) == []
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "os.kill(os.getppid(), signal.SIGKILL)",
+        "os.killpg(0, signal.SIGKILL)",
+        "os.kill(-1, signal.SIGKILL)",
+        "os.kill(1, signal.SIGKILL)",
+    ],
+)
+def test_killing_parents_does_not_reach_the_caller(attack):
+    if "-1" in attack and not plan().pidns:
+        pytest.skip("kill(-1) would reach other processes of the same uid without a pid namespace")
+    res = run(f"import os, signal\ntry:\n    {attack}\nexcept OSError as e:\n    print('denied', e)\n")
+    assert res.status in ("ok", "error", "killed"), res
+    assert host_can_fork()  # we are alive (else this would not run) and still working
+
+
+def test_writing_outside_the_work_dir_fails(tmp_path):
+    iso = plan()
+    if iso.uid is None and not iso.mountns:
+        pytest.skip(f"no write protection without a uid drop or mount namespace ({iso.describe()})")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    victim.chmod(0o666)  # even a world-writable file of ours must stay out of reach
+    etc_probe = Path("/etc") / f"relay-sandbox-probe-{uuid.uuid4().hex}"
+    code = (
+        "import sys\nfor path in sys.stdin.read().split():\n    try:\n"
+        "        with open(path, 'w') as f:\n            f.write('pwned')\n        print('wrote', path)\n"
+        "    except OSError as e:\n        print('denied', path, type(e).__name__)\n"
+    )
+    try:
+        res = run(code, f"{victim}\n{etc_probe}\n")
+        assert res.status == "ok", res
+        assert "wrote" not in res.stdout, res.stdout
+        assert victim.read_text() == "original"
+        assert not etc_probe.exists()
+    finally:
+        etc_probe.unlink(missing_ok=True)
+
+
+def test_host_tmp_is_invisible_and_bounded():
+    if not plan().mountns:
+        pytest.skip(f"no private /tmp without a mount namespace ({plan().describe()})")
+    code = "import os\nprint(sorted(os.listdir('/tmp')))\n"
+    assert run(code).stdout.strip() == "['work']"
+    res = run("i = 0\nwhile True:\n    open(f'/tmp/f{i}', 'wb').write(b'x' * 500_000)\n    i += 1\n")
+    assert res.status == "error" and "No space left" in res.stderr, res
+
+
+def test_network_is_unreachable():
+    if not plan().netns:
+        pytest.skip(f"network isolation is unavailable on this machine ({plan().describe()})")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        code = (
+            "import socket\ns = socket.socket()\ns.settimeout(1.0)\ntry:\n"
+            f"    s.connect(('127.0.0.1', {port}))\n    print('connected')\n"
+            "except OSError as e:\n    print('blocked', e)\n"
+        )
+        res = run(code)
+        assert res.status == "ok", res
+        assert res.stdout.startswith("blocked"), res.stdout
+        with pytest.raises(BlockingIOError):
+            server.accept()
+
+
+def test_fallback_without_namespaces_still_shields_the_caller(monkeypatch):
+    """Without any namespace or uid drop the wrapper still stands between the program and us."""
+    bare = Isolation(prefix=(), netns=False, pidns=False, mountns=False, userns=False, uid=None, gid=None)
+    monkeypatch.setattr(sandbox, "_plan", bare)
+    assert run("print(1 + 1)").stdout == "2\n"
+    res = run("import os\nos.kill(os.getppid(), 9)\nimport time\ntime.sleep(0.2)\nprint('alive')\n")
+    assert res.status == "killed" and "wrapper" in res.detail, res
+    assert host_can_fork()
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="wall_s"):
+        SandboxLimits(wall_s=0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxLimits(memory_mb=8)
+
+
+def test_oversized_program_is_rejected_without_running():
+    res = run_program("#" * (2 * 2**20), "", FAST)
+    assert res.status == "error" and "larger" in res.detail
+
+
+# ----------------------------------------------------------------------------------------------------
+# code_reward
+
+
+def cases_json(*pairs: tuple[str, str]) -> str:
+    return json.dumps({"tests": [{"input": i, "output": o} for i, o in pairs]})
+
+
+ADD = cases_json(("1 2\n", "3"), ("10 -4\n", "6"), ("0 0\n", "0"))
+
+
+def test_extract_program_prefers_python_fences():
+    assert extract_program("print(1)") == "print(1)"
+    assert extract_program("Here:\n```python\nprint(2)\n```\ndone") == "print(2)\n"
+    assert extract_program("```\nprint(3)\n```") == "print(3)\n"
+    assert extract_program("```python\nprint(6)\n") == "```python\nprint(6)\n"  # unclosed: no block
+    assert extract_program("x = '```'\nprint(7)") == "x = '```'\nprint(7)"
+    assert extract_program("```text\nx\n```\n```py\nprint(4)\n```\n```python\nprint(5)\n```") == "print(5)\n"
+
+
+def test_code_reward_full_pass():
+    response = "Sure!\n```python\na, b = map(int, input().split())\nprint(a + b)\n```\n"
+    assert code_reward(response, ADD) == {"score": 1.0, "passed": 3, "total": 3}
+
+
+def test_code_reward_partial_pass_is_a_fraction():
+    response = "a, b = map(int, input().split())\nprint(abs(a + b))"  # wrong for the negative sum
+    out = code_reward(response, cases_json(("1 2\n", "3"), ("-5 1\n", "-4"), ("0 0\n", "0")))
+    assert out["passed"] == 2 and out["total"] == 3
+    assert out["score"] == pytest.approx(2 / 3)
+    assert out["wrong_answer"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "kind"),
+    [
+        ("def broken(:\n", "error"),
+        ("while True:\n    pass\n", "timeout"),
+        ("x = bytearray(2 * 1024**3)\n", "memory"),
+        ("print('x' * 10**6)\n", "output_limit"),
+        ("print(42)\n", "wrong_answer"),
+        ("", "wrong_answer"),
+    ],
+)
+def test_code_reward_names_the_first_failure(response, kind):
+    t0 = time.monotonic()
+    out = code_reward(response, cases_json(("1 2\n", "3")))
+    assert time.monotonic() - t0 < sandbox.CODE_LIMITS.wall_s + SLACK_S
+    assert out == {"score": 0.0, "passed": 0, "total": 1, kind: 1.0}
+
+
+def test_code_reward_stops_at_its_budget():
+    t0 = time.monotonic()
+    out = code_reward("import time\ntime.sleep(60)", ADD, budget_s=1.5)
+    assert time.monotonic() - t0 < 1.5 + SLACK_S
+    assert out == {"score": 0.0, "passed": 0, "total": 3, "timeout": 1.0}
+
+
+def test_code_reward_never_raises_for_garbage_output():
+    one = cases_json(("1 2\n", "3"))
+    for response in ["\x00\x01", "```python\n", "import os; os._exit(0)", "raise SystemExit(9)", "💥" * 1000]:
+        out = code_reward(response, one)
+        assert 0.0 <= out["score"] <= 1.0
+
+
+def test_code_reward_rejects_a_malformed_answer():
+    for answer in ["not json", json.dumps({"cases": []}), json.dumps({"tests": []}), json.dumps([1])]:
+        with pytest.raises(ValueError, match="code answer"):
+            code_reward("print(1)", answer)
+
+
+def test_no_marked_processes_are_left_over():
+    """After all of the above: no process of the hostile tests is still running."""
+    time.sleep(0.2)
+    assert marked_pids("relay-bomb-") == [] and marked_pids("relay-escape-") == []
