@@ -281,9 +281,11 @@ class Rollouter:
         )
         dt = time.perf_counter() - t0
         self.gen_busy_s += dt
-        errors = {k: v for k, v in self.stats.items() if k.startswith("reward/errors_")}
         return Batch(
-            list(groups), generate_s=dt, dropped_overlong=self.dropped_overlong, reward_errors=errors
+            list(groups),
+            generate_s=dt,
+            dropped_overlong=self.dropped_overlong,
+            reward_errors=self._reward_errors(),
         )
 
     async def validate(self) -> dict[str, Any]:
@@ -437,12 +439,11 @@ class Rollouter:
         self.idle_s, self.window_start = 0.0, now
         if self.idle_since is not None:
             self.idle_since = now
-        errors = {k: v for k, v in self.stats.items() if k.startswith("reward/errors_")}
         return Batch(
             out,
             generate_s=now - t0,
             dropped_overlong=self.dropped_overlong,
-            reward_errors=errors,
+            reward_errors=self._reward_errors(),
             extra={
                 "async/queue_depth": float(len(self.ready)),
                 "async/running": float(self.running),
@@ -453,6 +454,9 @@ class Rollouter:
                 "async/resubmitted": float(self.stats["async/resubmitted"]),
             },
         )
+
+    def _reward_errors(self) -> dict[str, int]:
+        return {k: v for k, v in self.stats.items() if k.startswith("reward/errors_")}
 
     def _row_of(self, g: Group) -> dict[str, Any]:
         return {

@@ -9,7 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +27,51 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
+def train_cmd(ray_cluster: dict, cache_dir: Path, tmp_path: Path, name: str, *overrides: str) -> list[str]:
+    """`python -m app train --config quick` on the shared cluster, run `name` under `tmp_path`."""
+    return [
+        sys.executable,
+        "-m",
+        "app",
+        "train",
+        "--config",
+        "quick",
+        *overrides,
+        f"ray.address={ray_cluster['address']}",
+        f"ray.name={name}",
+        f"run_dir={tmp_path}",
+        f"model.cache_dir={cache_dir}",
+        f"tracking.run_name={name}",
+    ]
+
+
+def hub_status(name: str) -> dict:
+    """The weight hub's status of run `name` (raises while the run has not created it yet)."""
+    import ray
+
+    from app.serve_rollout import NAMESPACE, hub_name
+
+    return ray.get(ray.get_actor(hub_name(name), namespace=NAMESPACE).status.remote(), timeout=10)
+
+
+def wait_for(
+    what: str, fn: Callable[[], Any], proc: subprocess.Popen, log: Path, timeout: float = 400
+) -> Any:
+    """Poll `fn` until it returns something truthy, failing if the run `proc` ends or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended while waiting for {what}: {log.read_text()[-4000:]}")
+        try:
+            got = fn()
+        except Exception:  # the run's actors are not up yet
+            got = None
+        if got:
+            return got
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("relay-cache")
@@ -31,10 +81,6 @@ def cache_dir(tmp_path_factory) -> Path:
 def ray_cluster():
     """A Ray head started with the `ray` CLI (as a child process this session owns), and this process as its
     driver. Jobs (`ray job submit`) and CLI runs (`python -m app train ray.address=...`) join it too."""
-    import subprocess
-    import sys
-    import time
-
     import ray
 
     from app.sync import free_port

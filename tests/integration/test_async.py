@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, train_cmd
 
 ASYNC_METRICS = [
     "staleness/mean",
@@ -55,13 +54,11 @@ def test_fully_async_drains_the_data_once_within_the_bound(
 
     uids = _prompts(cache_dir, tmp_path / "train.jsonl", 20)
     name = f"async-{partial}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "app",
-        "train",
-        "--config",
-        "quick",
+    cmd = train_cmd(
+        ray_cluster,
+        cache_dir,
+        tmp_path,
+        name,
         "algorithm.mode=fully_async",
         f"algorithm.max_staleness={eta}",
         f"algorithm.correction={correction}",
@@ -75,12 +72,7 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         "data.epochs=1",
         "data.val_size=16",
         "algorithm.val_every=1",
-        f"ray.address={ray_cluster['address']}",
-        f"ray.name={name}",
-        f"run_dir={tmp_path}",
-        f"model.cache_dir={cache_dir}",
-        f"tracking.run_name={name}",
-    ]
+    )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)

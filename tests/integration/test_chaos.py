@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
-import time
 from collections import Counter
 
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, hub_status, train_cmd, wait_for
 from tests.integration.test_async import _prompts
 
 NAME = "chaos"
@@ -24,16 +22,12 @@ def test_killed_replica_loses_nothing(ray_cluster, cache_dir, tmp_path):
     import ray
     from ray.util.state import list_actors
 
-    from app.serve_rollout import NAMESPACE, hub_name
-
     uids = _prompts(cache_dir, tmp_path / "train.jsonl", 400)
-    cmd = [
-        sys.executable,
-        "-m",
-        "app",
-        "train",
-        "--config",
-        "quick",
+    cmd = train_cmd(
+        ray_cluster,
+        cache_dir,
+        tmp_path,
+        NAME,
         "algorithm.mode=fully_async",
         "algorithm.correction=decoupled",
         "rollout.min_replicas=2",
@@ -48,28 +42,17 @@ def test_killed_replica_loses_nothing(ray_cluster, cache_dir, tmp_path):
         "data.epochs=1",
         "data.val_size=8",
         "algorithm.val_every=1000",
-        f"ray.address={ray_cluster['address']}",
-        f"ray.name={NAME}",
-        f"run_dir={tmp_path}",
-        f"model.cache_dir={cache_dir}",
-        f"tracking.run_name={NAME}",
-    ]
+    )
     log = tmp_path / "stderr.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        deadline = time.monotonic() + 400
-        while True:  # wait until training is under way with both replicas
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the run never reached version 2"
-            try:
-                hub = ray.get_actor(hub_name(NAME), namespace=NAMESPACE)
-                st = ray.get(hub.status.remote(), timeout=10)
-                if st["version"] >= 2 and len(st["group"]) == 2:
-                    break
-            except ValueError:
-                pass
-            time.sleep(0.5)
+        st = wait_for(  # training under way with both replicas
+            "version 2 with both replicas in the group",
+            lambda: (x := hub_status(NAME))["version"] >= 2 and len(x["group"]) == 2 and x,
+            proc,
+            log,
+        )
         victims = [
             a
             for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)

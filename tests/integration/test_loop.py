@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, train_cmd
 
 
 def test_generation_carries_versions_and_logprobs(rollout_stack):
@@ -58,20 +57,7 @@ def test_trainer_and_vllm_logprobs_match_after_step_and_push(rollout_stack, tmp_
 
 
 def _run_cli(mode: str, ray_cluster, cache_dir: Path, tmp_path: Path) -> tuple[dict, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "app",
-        "train",
-        "--config",
-        "quick",
-        f"algorithm.mode={mode}",
-        f"ray.address={ray_cluster['address']}",
-        f"ray.name=e2e-{mode}",
-        f"run_dir={tmp_path}",
-        f"model.cache_dir={cache_dir}",
-        f"tracking.run_name=e2e-{mode}",
-    ]
+    cmd = train_cmd(ray_cluster, cache_dir, tmp_path, f"e2e-{mode}", f"algorithm.mode={mode}")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0, proc.stderr[-4000:]

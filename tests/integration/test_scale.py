@@ -13,13 +13,9 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
-from typing import Any
 
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, hub_status, train_cmd, wait_for
 
 NAME = "scale"
 
@@ -36,79 +32,51 @@ def _scale(dashboard: str, replicas: int) -> None:
         assert resp.status == 200, resp.read()
 
 
-def _wait(what: str, fn, proc: subprocess.Popen, log: Path, timeout: float = 400) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended while waiting for {what}: {log.read_text()[-4000:]}")
-        try:
-            got = fn()
-        except Exception:  # the hub is not up yet
-            got = None
-        if got:
-            return got
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def test_rollout_scales_out_and_in_mid_run(ray_cluster, cache_dir, tmp_path):
-    import ray
     from mlflow.tracking import MlflowClient
 
-    from app.serve_rollout import NAMESPACE, hub_name
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "app",
-        "train",
-        "--config",
-        "quick",
+    cmd = train_cmd(
+        ray_cluster,
+        cache_dir,
+        tmp_path,
+        NAME,
         "train.steps=500",  # ended by a clean stop once the scale-out and scale-in are seen
         "algorithm.val_every=1000",
         "rollout.scaling=external",
-        f"ray.address={ray_cluster['address']}",
-        f"ray.name={NAME}",
-        f"run_dir={tmp_path}",
-        f"model.cache_dir={cache_dir}",
-        f"tracking.run_name={NAME}",
-    ]
+    )
     log = tmp_path / "stderr.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
         )
     try:
-
-        def status() -> dict:
-            hub = ray.get_actor(hub_name(NAME), namespace=NAMESPACE)
-            return ray.get(hub.status.remote(), timeout=10)
-
-        first = _wait("version 1", lambda: (s := status())["version"] >= 1 and s, proc, log)
+        first = wait_for("version 1", lambda: (s := hub_status(NAME))["version"] >= 1 and s, proc, log)
         (original,) = first["members"]
         _scale(ray_cluster["dashboard"], 2)
 
         def two_serving() -> dict | None:
-            s = status()
+            s = hub_status(NAME)
             new = [r for r in s["members"] if r != original]
             if new and s["members"][new[0]]["first_served"] and s["members"][new[0]]["pushes"] >= 2:
                 return s
             return None
 
-        both = _wait("the new replica to be admitted, serve and receive two pushes", two_serving, proc, log)
+        both = wait_for(
+            "the new replica to be admitted, serve and receive two pushes", two_serving, proc, log
+        )
         (added,) = [r for r in both["members"] if r != original]
         assert sorted(both["group"]) == sorted([original, added])
         v_both = both["version"]
         _scale(ray_cluster["dashboard"], 1)
 
         def one_left() -> dict | None:
-            s = status()
+            s = hub_status(NAME)
             gone = [r for r, m in s["members"].items() if m["leaving"]]
             if gone and len(s["group"]) == 1 and s["version"] >= v_both + 2:
                 return s
             return None
 
-        after = _wait("a replica to leave and two more pushes to the one left", one_left, proc, log)
+        after = wait_for("a replica to leave and two more pushes to the one left", one_left, proc, log)
         proc.send_signal(signal.SIGTERM)  # a clean stop after the current step
         out, _ = proc.communicate(timeout=300)
     finally:
