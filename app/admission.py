@@ -15,6 +15,7 @@ decides what to do with it and counts it.
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 
@@ -26,6 +27,28 @@ def admission_limit(max_staleness: float, version: int, batch_groups: int) -> in
 def can_admit(taken: int, queued: int, running: int, limit: int) -> bool:
     """Whether one more group may start."""
     return taken + queued + running + 1 <= limit
+
+
+def staleness_bound(max_staleness: float) -> int:
+    """The staleness (in whole versions) a single trained group may have: fractional bounds limit how many
+    groups run ahead, one group's bound is their ceiling."""
+    return math.ceil(max_staleness - 1e-9)
+
+
+def over_bound(train_version: int, group_min_version: int, max_staleness: float) -> bool:
+    """Whether a group whose oldest token came from `group_min_version` exceeds the bound when trained at
+    `train_version` (a straggler: `algorithm.over_bound` decides whether it is trained or regenerated)."""
+    return train_version - group_min_version > staleness_bound(max_staleness)
+
+
+def response_budget(lengths: tuple[float, int] | None, uid: str, seed: int, max_tokens: int) -> int:
+    """max_tokens of one prompt group: `max_tokens`, or a long-tailed draw min(max_tokens, MIN x Pareto(ALPHA))
+    that depends only on (seed, uid), so every mode of a benchmark sees the same lengths."""
+    if lengths is None:
+        return max_tokens
+    alpha, low = lengths
+    rng = random.Random(f"{seed}:{uid}")
+    return max(1, min(max_tokens, int(low * rng.paretovariate(alpha))))
 
 
 def merge_partial(partial: dict[str, Any], continuation: dict[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,9 @@ class RolloutConfig:
     /api/v1/applications/<ray.name>-rollout/deployments/rollout/scale)."""
     ignore_eos: bool = False
     """Always generate `max_tokens` tokens (benchmarks, and tests of long generations with a tiny model)."""
+    lengths: str = "fixed"
+    """Benchmarks: `fixed`, or `pareto:ALPHA:MIN` to give each prompt group a long-tailed response length
+    min(max_tokens, MIN x Pareto(ALPHA)) (seeded by prompt id; needs `ignore_eos` so lengths are exact)."""
     max_inflight: int = 32
     """fully_async: prompt groups generating at once (admission control may hold fewer)."""
     partial: str = "keep"
@@ -301,6 +304,15 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
         "more often",
     )
     _check("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1")
+    try:
+        parse_lengths(cfg.rollout.lengths)
+    except ValueError as e:
+        raise ConfigError(f"invalid value for 'rollout.lengths': {e}") from None
+    _check(
+        "rollout.lengths",
+        cfg.rollout.lengths == "fixed" or cfg.rollout.ignore_eos,
+        "a length distribution needs rollout.ignore_eos=true (else EOS ends responses early)",
+    )
     _check("rollout.max_inflight", cfg.rollout.max_inflight >= 1, "must be >= 1")
     _check("data.epochs", cfg.data.epochs >= 0, "must be >= 0 (0: unlimited)")
     _check(
@@ -349,6 +361,22 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
     _check("reward.timeout_s", cfg.reward.timeout_s > 0, "must be > 0")
     _check("data.max_prompt_tokens", cfg.data.max_prompt_tokens >= 1, "must be >= 1")
     _check("data.val_size", cfg.data.val_size >= 1, "must be >= 1")
+
+
+def parse_lengths(spec: str) -> tuple[float, int] | None:
+    """`fixed` -> None; `pareto:ALPHA:MIN` -> (ALPHA, MIN). Raises ValueError naming the valid forms."""
+    if spec == "fixed":
+        return None
+    parts = spec.split(":")
+    try:
+        if parts[0] != "pareto" or len(parts) != 3:
+            raise ValueError
+        alpha, low = float(parts[1]), int(parts[2])
+    except ValueError:
+        raise ValueError(f"{spec!r}; use `fixed` or `pareto:ALPHA:MIN` (e.g. pareto:1.2:4)") from None
+    if alpha <= 0 or low < 1:
+        raise ValueError(f"{spec!r}: ALPHA must be > 0 and MIN >= 1")
+    return alpha, low
 
 
 def _resolve_config_file(name: str) -> Path:

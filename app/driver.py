@@ -172,6 +172,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "stopped": m.get("stopped"),
             "final_checkpoint": m.get("final_checkpoint"),
             "wall_s": round(time.time() - t0, 1),
+            "loop_s": m.get("loop_s"),
+            "trained_tokens": m.get("trained_tokens"),
         }
         tracker.metrics({"run/wall_s": out["wall_s"]}, int(m.get("steps") or 0))
         tracker.reward_curve(str(run_dir))

@@ -19,7 +19,6 @@ import collections
 import contextlib
 import json
 import logging
-import math
 import random
 import threading
 import time
@@ -27,6 +26,7 @@ from collections import Counter
 from typing import Any
 
 from app import admission
+from app.config import parse_lengths
 from app.data import DataError, PromptRow, render_prompt
 from app.records import Batch, Group, Sample
 from app.rewards import resolve_reward_fn, score
@@ -123,6 +123,7 @@ class Rollouter:
         val_ds = prompt_dataset(self.val_rows, model_path, d.max_prompt_tokens, d.truncation)
         self.val_prompts = [r for r in val_ds.take_all() if not r["overlong"]]
         self.reward_fns: dict[str, Any] = {}
+        self.lengths = parse_lengths(self.cfg.rollout.lengths)
         self.epoch = 0
         self.cursor = 0  # prompts handed out so far
         self._it = None
@@ -193,7 +194,7 @@ class Rollouter:
         req = {
             "prompt_ids": json.loads(row["prompt_ids"]),
             "n": n,
-            "max_tokens": r.max_tokens,
+            "max_tokens": admission.response_budget(self.lengths, row["uid"], self.cfg.seed, r.max_tokens),
             "temperature": temperature,
             "top_p": r.top_p if temperature > 0 else 1.0,
             "seed": seed,
@@ -408,8 +409,7 @@ class Rollouter:
                 raise RuntimeError(f"the rollout stream failed: {self.stream_error}")
             if self.ready:
                 g = self.ready.popleft()
-                # fractional bounds limit how many groups run ahead; one group's bound is the ceiling
-                if version - g.min_version > math.ceil(a.max_staleness - 1e-9):
+                if admission.over_bound(version, g.min_version, a.max_staleness):
                     over += 1
                     self.stats["async/over_bound"] += 1
                     if a.over_bound == "regenerate":

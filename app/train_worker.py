@@ -224,6 +224,8 @@ def train_worker(config: dict[str, Any]) -> None:
     done = 0
     pushed = 0
     t_run = time.perf_counter()
+    t_loop_end = t_run  # end of the last step's push (benchmarks: trained tokens per second of the loop)
+    tokens_trained = 0
     for step in range(steps):
         t0 = time.perf_counter()
         batch = None
@@ -263,6 +265,8 @@ def train_worker(config: dict[str, Any]) -> None:
             pushed = version
             if rank == 0 and fully_async:
                 ray.get(rollouter.on_push.remote(version), timeout=30)
+        t_loop_end = time.perf_counter()
+        tokens_trained += batch.num_tokens
         if rank == 0:
             m = {**stats, **batch_metrics(batch), **staleness(batch, version - 1), **batch.extra}
             step_s = time.perf_counter() - t0
@@ -376,6 +380,8 @@ def train_worker(config: dict[str, Any]) -> None:
         "val_reward_first": val_first,
         "val_reward_last": val_last,
         "train_wall_s": time.perf_counter() - t_run,
+        "loop_s": t_loop_end - t_run,
+        "trained_tokens": tokens_trained,
         "final_checkpoint": str(Path(final).resolve()),
     }
     if rank == 0:

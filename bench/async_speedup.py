@@ -1,0 +1,130 @@
+"""Trained tokens per second of `sync`, `one_step_off` and `fully_async` on the same resources, one run.
+
+    python bench/async_speedup.py [--prompts 160] [--batch-groups 8] [--n 4] [--max-tokens 96]
+                                  [--lengths pareto:1.2:4] [--max-staleness 1] [--partial keep]
+
+The built-in task with a long-tailed response-length distribution: every prompt group gets
+min(max_tokens, MIN x Pareto(ALPHA)) tokens (EOS ignored, so lengths are exact and the same prompt has the
+same length in every mode). Each mode trains the same prompts once (`data.epochs=1`) on one local Ray
+cluster started here (same replicas, trainer workers and CPUs for each), so the trained tokens are the same
+and the ratio is one of loop times: from the first step to the last push, validation excluded. Prints a
+final JSON line with tokens/s per mode and the ratios to `sync`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.config import load_config
+
+log = logging.getLogger("bench.async_speedup")
+
+
+def write_prompts(cache_dir: str, path: Path, n: int) -> int:
+    from app.driver import resolve_inputs
+
+    rows = resolve_inputs(load_config(None, [f"model.cache_dir={cache_dir}"])).train_rows[:n]
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"id": r.uid, "prompt": r.prompt, "answer": r.answer, "data_source": "arith"}))
+            f.write("\n")
+    return len(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=160)
+    ap.add_argument("--batch-groups", type=int, default=8)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--lengths", default="pareto:1.2:4", help="fixed | pareto:ALPHA:MIN")
+    ap.add_argument("--max-staleness", type=float, default=1.0)
+    ap.add_argument("--partial", default="keep", choices=["keep", "resubmit", "off"])
+    ap.add_argument("--max-inflight", type=int, default=0, help="fully_async groups in flight (0: 2 batches)")
+    ap.add_argument("--modes", default="sync,one_step_off,fully_async")
+    ap.add_argument("--cache-dir", default=".cache/relay")
+    ap.add_argument("--out", default="runs/bench_async_speedup")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    import ray
+
+    from app import driver
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "train.jsonl"
+    n_prompts = write_prompts(args.cache_dir, data, args.prompts)
+    common = [
+        f"data.train={data}",
+        "data.epochs=1",
+        "data.val_size=8",
+        "algorithm.val_every=100000",  # validation only before the first and after the last step
+        f"train.steps={10 * n_prompts}",  # the data ends the run
+        f"train.batch_groups={args.batch_groups}",
+        f"rollout.n={args.n}",
+        f"rollout.max_tokens={args.max_tokens}",
+        f"rollout.max_model_len={args.max_tokens + 64}",
+        "rollout.ignore_eos=true",
+        f"rollout.lengths={args.lengths}",
+        f"model.cache_dir={args.cache_dir}",
+        f"run_dir={out}",
+    ]
+    extra = {
+        "fully_async": [
+            f"algorithm.max_staleness={args.max_staleness}",
+            f"rollout.partial={args.partial}",
+            f"rollout.max_inflight={args.max_inflight or 2 * args.batch_groups}",
+            "algorithm.correction=decoupled",
+        ]
+    }
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+    results: dict[str, dict] = {}
+    try:
+        for mode in args.modes.split(","):
+            cfg = load_config(
+                None,
+                [
+                    *common,
+                    f"algorithm.mode={mode}",
+                    f"ray.name=bench-{mode}",
+                    f"tracking.run_name={mode}",
+                    *extra.get(mode, []),
+                ],
+            )
+            res = driver.run(cfg)
+            tps = res["trained_tokens"] / res["loop_s"]
+            results[mode] = {
+                "steps": res["steps"],
+                "trained_tokens": res["trained_tokens"],
+                "loop_s": round(res["loop_s"], 2),
+                "tokens_per_s": round(tps, 1),
+            }
+            log.info("%s: %s", mode, results[mode])
+    finally:
+        ray.shutdown()
+    base = results.get("sync", {}).get("tokens_per_s")
+    summary = {
+        "bench": "async_speedup",
+        "prompts": n_prompts,
+        "batch_groups": args.batch_groups,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "lengths": args.lengths,
+        "max_staleness": args.max_staleness,
+        "partial": args.partial,
+        "modes": results,
+        "ratio_to_sync": {m: round(r["tokens_per_s"] / base, 3) for m, r in results.items()} if base else {},
+    }
+    sys.stdout.write(json.dumps(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main()
