@@ -1,4 +1,4 @@
-"""Command line: `python -m app train [--config FILE] [key=value ...]`, `python -m app config`."""
+"""Command line: `python -m app train [--config FILE] [--resume PATH] [key=value ...]`, `python -m app config`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="run training (the embedded default with no arguments)")
     tr.add_argument("--config", help="a YAML file or a preset name from configs/")
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    tr.add_argument(
+        "--resume",
+        metavar="PATH",
+        help="continue from a checkpoint (its directory, or a run directory: its newest checkpoint)",
+    )
     tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20")
     sub.add_parser("config", help="print the config reference (every key, default, meaning)")
     args = p.parse_args(argv)
@@ -33,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(_config_reference() + "\n")
         return 0
     try:
-        cfg = load_config(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.resume:
+            overrides.append(f"train.resume={args.resume}")
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         log.error("config error: %s", e)
         return 2

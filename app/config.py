@@ -144,6 +144,22 @@ class TrainConfig:
     """Seed of the trainer's torch RNG."""
     timeout_s: float = 300.0
     """Timeout of the trainer's collectives and of each wait for a rollout batch."""
+    save_every: int = 0
+    """Save a checkpoint of the whole pipeline (sharded model and optimizer, RNG, version, prompt stream,
+    queued groups, partial rollouts) every this many steps (0: only when the run ends or stops cleanly)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept under `<run_dir>/<run>/ray_train` (older ones are deleted)."""
+    resume: str = ""
+    """Continue from a checkpoint: its directory, or a run directory (its newest checkpoint). Also
+    `python -m app train --resume PATH`."""
+    max_failures: int = 0
+    """Trainer-worker failures Ray Train recovers from by restarting the workers from the last checkpoint."""
+    stall_timeout_s: float = 900.0
+    """Watchdog: if no training step completes for this long, the run fails with a report of what every
+    role was waiting for (written to `<run_dir>/<run>/stall_report.json`)."""
+    max_skipped_steps: int = 3
+    """Steps with a non-finite loss or gradient are skipped (`train/skipped_steps`); past this many the run
+    fails, with the prompt ids of each such batch saved under `<run_dir>/<run>/nonfinite/`."""
 
 
 @dataclass
@@ -333,6 +349,11 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
     _check("train.batch_groups", cfg.train.batch_groups >= 1, f"{cfg.train.batch_groups}; must be >= 1")
     _check("train.micro_batch_size", cfg.train.micro_batch_size >= 1, "must be >= 1")
     _check("train.lr", cfg.train.lr > 0, f"{cfg.train.lr}; must be > 0")
+    _check("train.save_every", cfg.train.save_every >= 0, "must be >= 0 (0: only at the end)")
+    _check("train.keep_checkpoints", cfg.train.keep_checkpoints >= 1, "must be >= 1")
+    _check("train.max_failures", cfg.train.max_failures >= -1, "must be >= 0 (or -1: unlimited)")
+    _check("train.stall_timeout_s", cfg.train.stall_timeout_s > 0, "must be > 0")
+    _check("train.max_skipped_steps", cfg.train.max_skipped_steps >= 0, "must be >= 0")
     _check("train.betas", len(cfg.train.betas) == 2, "must be two numbers, e.g. [0.9,0.99]")
     _check("rollout.n", cfg.rollout.n >= 2, f"{cfg.rollout.n}; GRPO needs at least 2 samples per prompt")
     _check("rollout.max_tokens", cfg.rollout.max_tokens >= 1, "must be >= 1")

@@ -86,16 +86,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """One training run. Returns the RESULT record; raises if the run failed."""
     import ray
     from ray import serve
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from app import checkpoint
     from app.rollouter import Rollouter, rollouter_name
     from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
     from app.sync import WeightHub
     from app.tracking import Tracker, default_uri
     from app.train_worker import train_worker
+    from app.watchdog import REPORT as STALL_REPORT
+    from app.watchdog import StallError, summarize
 
     t0 = time.time()
+    resume = str(checkpoint.find(cfg.train.resume)) if cfg.train.resume else None  # fails early, clearly
     inputs = resolve_inputs(cfg)
     name = cfg.tracking.run_name or time.strftime("relay-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir).resolve() / name
@@ -104,6 +108,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     uri = cfg.tracking.uri or default_uri(cfg.run_dir)
     tracker = Tracker.start(uri, cfg.tracking.experiment, name, flatten(cfg))
     tracker.artifact(str(run_dir / "config.yaml"))
+    if resume:
+        tracker.tags({"relay.resumed_from": resume})
+        log.info("resuming from checkpoint %s", resume)
     log.info("run %s: MLflow run %s at %s", name, tracker.run_id, uri)
     tracker.start_system_metrics()
 
@@ -136,6 +143,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 "run_id": tracker.run_id,
                 "tracking_uri": uri,
                 "run_dir": str(run_dir),
+                "resume": resume,
             },
             scaling_config=ScalingConfig(
                 num_workers=t.workers, use_gpu=t.use_gpu, resources_per_worker={"CPU": t.worker_cpus}
@@ -144,7 +152,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 backend=None if t.backend == "auto" else t.backend,
                 timeout_s=int(t.timeout_s + cfg.sync.timeout_s + 60),
             ),
-            run_config=RunConfig(name=name, storage_path=str(run_dir / "ray_train")),
+            run_config=RunConfig(
+                name=name,
+                storage_path=str(run_dir / "ray_train"),
+                checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints),
+                failure_config=FailureConfig(max_failures=t.max_failures),
+            ),
         )
         restore = _graceful_stop(hub)
         try:
@@ -155,7 +168,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 members = ray.get(hub.status.remote(), timeout=10)
                 (run_dir / "rollout_members.json").write_text(json.dumps(members, indent=1))
                 tracker.artifact(str(run_dir / "rollout_members.json"))
+        stall = run_dir / STALL_REPORT
         if result.error:
+            if stall.exists() and stall.stat().st_mtime >= t0:
+                raise StallError(summarize(json.loads(stall.read_text()))) from result.error
             raise result.error
         summary = run_dir / "summary.json"
         if not summary.exists():
@@ -171,6 +187,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "weight_version": m.get("weight_version"),
             "stopped": m.get("stopped"),
             "final_checkpoint": m.get("final_checkpoint"),
+            "checkpoint": str(result.checkpoint.path) if result.checkpoint else None,
+            "restored_from": m.get("restored_from"),
             "wall_s": round(time.time() - t0, 1),
             "loop_s": m.get("loop_s"),
             "trained_tokens": m.get("trained_tokens"),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -39,6 +40,22 @@ class Group:
     @property
     def max_version(self) -> int:
         return max((v for s in self.samples for v in s.versions), default=-1)
+
+    @property
+    def key(self) -> str:
+        """Identity of this group in the prompt stream: one per prompt per epoch (exactly-once accounting)."""
+        return group_key(self.epoch, self.uid)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Group:
+        return cls(**{**d, "samples": [Sample(**s) for s in d["samples"]]})
+
+
+def group_key(epoch: int, uid: str) -> str:
+    return f"{epoch}:{uid}"
 
 
 @dataclass

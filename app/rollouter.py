@@ -28,7 +28,7 @@ from typing import Any
 from app import admission
 from app.config import parse_lengths
 from app.data import DataError, PromptRow, render_prompt
-from app.records import Batch, Group, Sample
+from app.records import Batch, Group, Sample, group_key
 from app.rewards import resolve_reward_fn, score
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,26 @@ def prompt_dataset(rows: list[PromptRow], tokenizer_path: str, max_prompt_tokens
     )
 
 
+_ROW_KEYS = ("uid", "prompt_ids", "answer", "data_source", "prompt", "epoch", "index", "is_chat")
+
+
+def _plain(o: Any) -> Any:
+    return o.item() if hasattr(o, "item") else str(o)
+
+
+class Frozen(Exception):
+    """A group whose generation was ended by `snapshot(freeze=True)`: kept as a partial rollout."""
+
+
 class Rollouter:
-    """Async Ray actor. `generate_batch(k)` returns the next k prompt groups, scored."""
+    """Async Ray actor. `generate_batch(k)` returns the next k prompt groups, scored.
+
+    Checkpoint state (`snapshot` / `restore`): every row taken from the prompt stream is `outstanding` until
+    the trainer acknowledges the group as trained (`ack`); a snapshot holds the stream position (epoch and
+    the prompt ids of that epoch already taken), the finished groups not yet trained (with their samples,
+    versions and behaviour log-probs) and every other outstanding prompt, with its partial samples where a
+    freeze ended its generation. Restoring it trains each prompt group of an epoch exactly once.
+    """
 
     def __init__(
         self, cfg: dict[str, Any], model_path: str, train_rows: list[PromptRow], val_rows: list[PromptRow]
@@ -145,6 +163,14 @@ class Rollouter:
         self.idle_s = 0.0
         self.window_start = time.perf_counter()
         self.attempts: Counter[str] = Counter()
+        # checkpoint state
+        self.outstanding: dict[str, dict[str, Any]] = {}  # rows taken from the stream, not yet trained
+        self.epoch_seen: set[str] = set()  # prompt ids of the current epoch taken from the stream
+        self.inflight: set[str] = set()  # groups generating now (both feeding paths)
+        self.gen = 0  # bumped by `restore`: groups started before it are dropped when they finish
+        self.freezing = False  # `snapshot(freeze=True)`: aborted samples are kept as partial rollouts
+        self.partials: dict[str, list[dict[str, Any]]] = {}
+        self.restores = 0
 
     def _reward_fn(self, data_source: str):
         if data_source not in self.reward_fns:
@@ -157,13 +183,18 @@ class Rollouter:
             ds = ds.random_shuffle(seed=self.cfg.data.seed + self.epoch)
         return iter(ds.iter_rows())
 
-    def _next_rows(self, k: int) -> list[dict[str, Any]]:
-        """Next k usable prompts from the stream, crossing epochs; overlong ones are counted and skipped."""
+    def _next_rows(self, k: int, gen: int | None = None) -> list[dict[str, Any]]:
+        """Next k usable prompts from the stream, crossing epochs; overlong ones are counted and skipped.
+        A request from before a restore (`gen` older than the current) gets none."""
         out: list[dict[str, Any]] = []
         with self._lock:
+            if gen is not None and gen != self.gen:
+                return out
             empty_epochs = 0
-            while self._retry and len(out) < k:  # prompts to generate again (failed or regenerated groups)
-                out.append(self._retry.popleft())
+            while self._retry and len(out) < k:  # prompts to generate again (failed, regenerated, restored)
+                row = self._retry.popleft()
+                self.outstanding[group_key(row["epoch"], row["uid"])] = row
+                out.append(row)
             while len(out) < k:
                 if self.cfg.data.epochs and self.epoch >= self.cfg.data.epochs:
                     self.exhausted = True
@@ -175,21 +206,28 @@ class Rollouter:
                 except StopIteration:
                     self._it = None
                     self.epoch += 1
+                    self.epoch_seen = set()
                     empty_epochs = empty_epochs + 1 if not out else 0
                     if empty_epochs > 1:
                         raise DataError(
                             "the training set has no usable prompt (all are over data.max_prompt_tokens?)"
                         ) from None
                     continue
+                if row["uid"] in self.epoch_seen:  # taken before the checkpoint this run restored
+                    continue
+                self.epoch_seen.add(row["uid"])
                 if row["overlong"]:
                     self.dropped_overlong += 1
                     continue
                 row["epoch"] = self.epoch
+                self.outstanding[group_key(self.epoch, row["uid"])] = row
                 out.append(row)
                 self.cursor += 1
         return out
 
-    async def _group(self, row: dict[str, Any], n: int, temperature: float, seed: int | None) -> Group:
+    async def _group(
+        self, row: dict[str, Any], n: int, temperature: float, seed: int | None, train: bool = True
+    ) -> Group:
         r = self.cfg.rollout
         req = {
             "prompt_ids": json.loads(row["prompt_ids"]),
@@ -200,6 +238,25 @@ class Rollouter:
             "seed": seed,
             "ignore_eos": r.ignore_eos,
         }
+        key = group_key(row.get("epoch", 0), row["uid"]) if train else f"val:{row['uid']}"
+        self.inflight.add(key)
+        try:
+            if row.get("partial"):  # restored from a checkpoint: continue the saved partial samples
+                self.stats["ckpt/resumed_partial_groups"] += 1
+                resp = {"samples": [dict(smp) for smp in row["partial"]], "replica": "resumed"}
+            else:
+                resp = await self._request(row, req)
+            if r.partial == "resubmit" or row.get("partial"):
+                resp["samples"] = [await self._complete(req, smp) for smp in resp["samples"]]
+        finally:
+            self.inflight.discard(key)
+        if train and self.freezing and any(smp["finish_reason"] == "abort" for smp in resp["samples"]):
+            self.partials[key] = resp["samples"]  # a checkpoint ended it: saved with its versions
+            raise Frozen(key)
+        return await self._scored(row, req, resp)
+
+    async def _request(self, row: dict[str, Any], req: dict[str, Any]) -> dict[str, Any]:
+        r = self.cfg.rollout
         last: Exception | None = None
         for attempt in range(3):  # a replica that died mid-request: Serve routes the retry elsewhere
             try:
@@ -216,8 +273,9 @@ class Rollouter:
                 await asyncio.sleep(0.5 * (attempt + 1))
         else:
             raise RuntimeError(f"rollout failed for prompt {row['uid']} after 3 attempts: {last}") from last
-        if r.partial == "resubmit":
-            resp["samples"] = [await self._complete(req, smp) for smp in resp["samples"]]
+        return resp
+
+    async def _scored(self, row: dict[str, Any], req: dict[str, Any], resp: dict[str, Any]) -> Group:
         fn = self._reward_fn(row["data_source"])
         samples = []
         for s in resp["samples"]:
@@ -254,7 +312,11 @@ class Rollouter:
         """rollout.partial=resubmit: a sample aborted by a push goes back as prompt + partial response
         until it finishes; its earlier tokens keep their versions and behaviour log-probs."""
         rounds = 0
-        while sample["finish_reason"] == "abort" and len(sample["token_ids"]) < req["max_tokens"]:
+        while (
+            sample["finish_reason"] == "abort"
+            and len(sample["token_ids"]) < req["max_tokens"]
+            and not self.freezing
+        ):
             rounds += 1
             if rounds > 100:
                 raise RuntimeError("a sample was aborted by 100 pushes in a row; is generation progressing?")
@@ -274,12 +336,17 @@ class Rollouter:
 
     async def generate_batch(self, num_groups: int) -> Batch:
         t0 = time.perf_counter()
-        rows = await asyncio.to_thread(self._next_rows, num_groups)
+        # groups restored from a checkpoint (finished, not yet trained) come first
+        gen = self.gen
+        restored = [self.ready.popleft() for _ in range(min(num_groups, len(self.ready)))]
+        rows = await asyncio.to_thread(self._next_rows, num_groups - len(restored), gen)
         r = self.cfg.rollout
         base = random.Random(self.cfg.seed * 1_000_003 + self.cursor)
-        groups = await asyncio.gather(
+        groups = restored + await asyncio.gather(
             *[self._group(row, r.n, r.temperature, base.randrange(2**31)) for row in rows]
         )
+        if gen != self.gen:
+            raise RuntimeError("this batch request was superseded by a restore from a checkpoint")
         dt = time.perf_counter() - t0
         self.gen_busy_s += dt
         return Batch(
@@ -294,7 +361,7 @@ class Rollouter:
         t0 = time.perf_counter()
         rows = self.val_prompts
         groups = await asyncio.gather(
-            *[self._group(row, 1, self.cfg.algorithm.val_temperature, 0) for row in rows]
+            *[self._group(row, 1, self.cfg.algorithm.val_temperature, 0, train=False) for row in rows]
         )
         rewards = [g.samples[0].reward for g in groups]
         versions = [v for g in groups for v in g.samples[0].versions]
@@ -362,24 +429,31 @@ class Rollouter:
                             and admission.can_admit(self.taken, len(self.ready), self.running, self._limit())
                         )
                     )
-                rows = await asyncio.to_thread(self._next_rows, 1)
+                rows = await asyncio.to_thread(self._next_rows, 1, self.gen)
                 if not rows:  # data.epochs reached: only prompts sent back (failed, regenerated) remain
                     await self._notify()
                     async with self.changed:
                         await self.changed.wait_for(lambda: bool(self._retry))
                     continue
                 self._set_running(+1)
-                asyncio.get_running_loop().create_task(self._run_group(rows[0], base.randrange(2**31)))
+                asyncio.get_running_loop().create_task(
+                    self._run_group(rows[0], base.randrange(2**31), self.gen)
+                )
         except Exception as e:  # the prompt stream itself failed (bad data): the trainer's get_batch raises
             self.stream_error = e
             await self._notify()
 
-    async def _run_group(self, row: dict[str, Any], seed: int) -> None:
+    async def _run_group(self, row: dict[str, Any], seed: int, gen: int) -> None:
         r = self.cfg.rollout
         try:
             g = await self._group(row, r.n, r.temperature, seed)
-            self.ready.append(g)
+            if gen == self.gen:  # else a restore superseded it: its prompt is in the restored state
+                self.ready.append(g)
+        except Frozen:
+            pass  # saved in self.partials by a checkpoint
         except Exception as e:  # a failed group: its prompt goes back to the stream (three tries)
+            if gen != self.gen:
+                return
             self.attempts[row["uid"]] += 1
             self.stats["async/failed_groups"] += 1
             log.warning("group for prompt %s failed (try %d): %s", row["uid"], self.attempts[row["uid"]], e)
@@ -389,8 +463,9 @@ class Rollouter:
                 with self._lock:
                     self._retry.append(row)
         finally:
-            self._set_running(-1)
-            await self._notify()
+            if gen == self.gen:
+                self._set_running(-1)
+                await self._notify()
 
     async def get_batch(self, num_groups: int, version: int, timeout_s: float) -> Batch:
         """The next `num_groups` finished groups (FIFO by completion) for the trainer at `version`.
@@ -404,7 +479,10 @@ class Rollouter:
         deadline = t0 + timeout_s
         out: list[Group] = []
         over = 0
+        gen = self.gen
         while len(out) < num_groups:
+            if gen != self.gen:  # a trainer that died asked for this batch; its successor restored
+                raise RuntimeError("this batch request was superseded by a restore from a checkpoint")
             if self.stream_error is not None:
                 raise RuntimeError(f"the rollout stream failed: {self.stream_error}")
             if self.ready:
@@ -468,6 +546,100 @@ class Rollouter:
             "epoch": g.epoch,
         }
 
+    # ------------------------------------------------------------ checkpoint state
+
+    async def ack(self, keys: list[str]) -> None:
+        """The trainer trained these groups (`Group.key`): they leave the checkpoint state."""
+        for k in keys:
+            self.outstanding.pop(k, None)
+            self.partials.pop(k, None)
+
+    async def snapshot(self, freeze: bool = False, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The pipeline state a checkpoint needs (JSON-able); call at a step boundary, after `ack`.
+
+        freeze=True (a clean stop, the end of a run): stop starting groups and end every generation in flight
+        on every replica (vLLM's abort), keeping each group's samples so far, with their per-token versions
+        and behaviour log-probs, as a partial rollout that `restore` continues. Without freeze, groups in
+        flight are saved as prompts to generate again (what a crash would lose is compute, not prompts).
+        """
+        if freeze:
+            import ray
+
+            from app.serve_rollout import NAMESPACE, hub_name
+
+            self.freezing = True
+            if self.producer is not None:
+                self.producer.cancel()
+                self.producer = None
+            hub = ray.get_actor(hub_name(self.cfg.ray.name), namespace=NAMESPACE)
+            acks = await hub.abort_inflight.remote(timeout_s)
+            deadline = time.monotonic() + timeout_s
+            while self.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.inflight:
+                raise TimeoutError(
+                    f"checkpoint: {len(self.inflight)} groups still generating {timeout_s:.0f}s after the "
+                    f"replicas were asked to abort them ({sorted(self.inflight)[:5]}...); replica answers: {acks}"
+                )
+        ready_keys = {g.key for g in self.ready}
+        pending = []
+        for key, row in self.outstanding.items():
+            if key in ready_keys:
+                continue
+            r = {k: v for k, v in row.items() if k in _ROW_KEYS}
+            if key in self.partials:
+                r["partial"] = self.partials[key]
+            pending.append(r)
+        snap = {
+            "epoch": self.epoch,
+            "epoch_seen": sorted(self.epoch_seen),
+            "cursor": self.cursor,
+            "taken": self.taken,
+            "version": self.version,
+            "dropped_overlong": self.dropped_overlong,
+            "ready": [g.to_dict() for g in self.ready],
+            "pending": pending,
+            "partial_groups": sum(1 for r in pending if r.get("partial")),
+            "partial_tokens": sum(len(x["token_ids"]) for r in pending for x in r.get("partial", [])),
+        }
+        return json.loads(json.dumps(snap, default=_plain))  # numpy scalars from Ray Data rows
+
+    async def restore(self, snap: dict[str, Any]) -> dict[str, int]:
+        """Continue from a snapshot: its finished groups are trained first, its other prompts generated
+        first (partial rollouts continued from their saved tokens), then the stream goes on where it was."""
+        self.gen += 1  # groups started before this point are dropped when they finish
+        if self.producer is not None:
+            self.producer.cancel()
+            self.producer = None
+        with self._lock:
+            self.freezing = False
+            self.ready = collections.deque(Group.from_dict(d) for d in snap["ready"])
+            self._retry = collections.deque(snap["pending"])
+            self.outstanding = {group_key(r["epoch"], r["uid"]): r for r in snap["pending"]}
+            self.outstanding.update({g.key: self._row_of(g) for g in self.ready})
+            self.partials = {}
+            self.inflight = set()
+            self.epoch, self.epoch_seen, self._it = snap["epoch"], set(snap["epoch_seen"]), None
+            self.exhausted = False
+            self.cursor, self.taken, self.version = snap["cursor"], snap["taken"], snap["version"]
+            self.dropped_overlong = snap["dropped_overlong"]
+            self.running = 0
+            self.idle_since = time.perf_counter()
+            self.restores += 1
+        log.info(
+            "restored the prompt stream: epoch %d, %d finished groups to train, %d prompts to generate "
+            "(%d partial)",
+            self.epoch,
+            len(self.ready),
+            len(self._retry),
+            snap.get("partial_groups", 0),
+        )
+        return {
+            "ready": len(self.ready),
+            "pending": len(self._retry),
+            "partial": snap.get("partial_groups", 0),
+        }
+
     async def stop_stream(self) -> None:
         if self.producer is not None:
             self.producer.cancel()
@@ -482,5 +654,8 @@ class Rollouter:
             "queued": len(self.ready),
             "taken": self.taken,
             "replica_version": self.version,
+            "generating": len(self.inflight),
+            "outstanding": len(self.outstanding),
+            "restores": self.restores,
             **dict(self.stats),
         }

@@ -59,6 +59,7 @@ class RolloutServer:
         self.workers = 1  # tensor parallel size; each worker is one receiver rank
         self.version = -1  # weights from disk, not yet verified against the trainer's
         self.epoch = -1
+        self.abort_seen = -1  # the hub's abort requests handled (set at registration)
         self.served_any = False
         self.leaving = False
         self.admitted = asyncio.Event()
@@ -74,6 +75,7 @@ class RolloutServer:
         self.tags = {"replica": self.replica_id}
         await vla.set_version(self.engine, self.version)
         need = await self.hub.register.remote(self.replica_id, self.workers, self.started)
+        self.abort_seen = await self.hub.abort_count.remote()
         self.loop_task = asyncio.get_running_loop().create_task(self._sync_loop())
         if need < 0:  # the run is starting: the trainer's first push comes before any rollout
             self.admitted.set()
@@ -152,7 +154,7 @@ class RolloutServer:
         while True:
             try:
                 instr = await self.hub.next_instruction.remote(
-                    self.replica_id, self.epoch, self.version, self.poll_s
+                    self.replica_id, self.epoch, self.version, self.poll_s, self.abort_seen
                 )
             except Exception as e:  # the hub is gone: the run is over or restarting
                 if self.leaving:
@@ -169,6 +171,21 @@ class RolloutServer:
                 await self._join(instr)
             elif kind == "push":
                 await self._receive(instr["plan"])
+            elif kind == "abort":
+                await self._abort(instr["seq"])
+
+    async def _abort(self, seq: int) -> None:
+        """End every in-flight generation now: each returns its tokens so far with finish reason 'abort'
+        (the rollouter saves them as partial rollouts in a checkpoint)."""
+        try:
+            await vla.pause(self.engine, "resubmit")
+            await vla.resume(self.engine)
+            ok, detail = True, {}
+        except Exception as e:
+            ok, detail = False, {"error": str(e)}
+        self.abort_seen = seq
+        with contextlib.suppress(Exception):
+            await self.hub.ack.remote(self.replica_id, "abort", seq, ok, detail)
 
     async def _join(self, instr: dict[str, Any]) -> None:
         from app.vllm_worker import group_to_json

@@ -491,6 +491,8 @@ class WeightHub:
         self.changed = asyncio.Condition()
         self.last_push: dict[str, Any] = {}
         self.stop: str | None = None  # a clean stop was requested (signal, `ray job stop`): the reason
+        self.abort_seq = 0  # `abort_inflight` calls: replicas end their in-flight generations (checkpoints)
+        self.heartbeat: dict[str, Any] = {}  # the trainer's last reported phase (watchdog reports)
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -559,17 +561,62 @@ class WeightHub:
         return self.group
 
     async def announce(self, plan: PushPlan) -> None:
+        if plan.version <= self.version:  # the trainer restored an earlier checkpoint: replicas roll back
+            log.warning(
+                "version %d announced after %d: rolling the replicas back (trainer restored from a checkpoint)",
+                plan.version,
+                self.version,
+            )
+            self.version = plan.version - 1
         self.plan = plan
+        self.last_push = {
+            "version": plan.version,
+            "announced_at": time.time(),
+            "epoch": self.group.epoch if self.group else None,
+        }
         await self._notify()
 
+    async def abort_inflight(self, timeout_s: float) -> dict[str, Any]:
+        """Every live replica ends its in-flight generations now (vLLM's abort pause): each request returns
+        what it generated so far, finish reason 'abort', so the rollouter can save the partial rollouts.
+        Returns the acknowledgements (missing replicas under '__missing__')."""
+        self.abort_seq += 1
+        seq = self.abort_seq
+        expected = set(self.alive_ids())
+        await self._notify()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.acks.get(("abort", seq), {})
+            missing = sorted(
+                expected - set(got) - {m.replica_id for m in self.members.values() if not m.alive}
+            )
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
+                break
+            async with self.changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
+        out = dict(self.acks.get(("abort", seq), {}))
+        out["__missing__"] = {"ids": missing}
+        return out
+
+    async def abort_count(self) -> int:
+        return self.abort_seq
+
+    async def beat(self, info: dict[str, Any]) -> None:
+        """The trainer's rank 0 reports what it is doing (phase, step, since when): read by stall reports."""
+        self.heartbeat = {**info, "at": time.time()}
+
     async def next_instruction(
-        self, replica_id: str, epoch: int, version: int, wait_s: float
+        self, replica_id: str, epoch: int, version: int, wait_s: float, abort_seen: int = -1
     ) -> dict[str, Any]:
-        """Long-poll: what should this replica do next? {'kind': 'join'|'push'|'idle'|'unknown', ...}."""
+        """Long-poll: what should this replica do next? {'kind': 'join'|'push'|'abort'|'idle'|'unknown', ...}."""
         deadline = time.monotonic() + wait_s
         while True:
             m = self.members.get(replica_id)
             g = self.group
+            if m is not None and m.alive and 0 <= abort_seen < self.abort_seq:
+                return {"kind": "abort", "seq": self.abort_seq}
             if m is not None and m.leaving:
                 pending = (
                     g is not None
@@ -588,11 +635,10 @@ class WeightHub:
                 and g.epoch == epoch
                 and replica_id in g.ranks
                 and self.plan is not None
-                # a newer version, or the same version retried in a new epoch (the replica may have received
-                # it before a broadcast failed elsewhere: every member must take part in the retry)
-                and (
-                    self.plan.version > version or (self.plan.version == version and m.push_epoch != g.epoch)
-                )
+                # another version (newer, or older after the trainer restored a checkpoint), or the same
+                # version retried in a new epoch (the replica may have received it before a broadcast failed
+                # elsewhere: every member must take part in the retry)
+                and (self.plan.version != version or m.push_epoch != g.epoch)
             ):
                 return {"kind": "push", "plan": self.plan}
             left = deadline - time.monotonic()
@@ -661,6 +707,8 @@ class WeightHub:
             "members": {rid: asdict(m) for rid, m in self.members.items()},
             "membership_changed": self.membership_changed(),
             "stop": self.stop,
+            "last_push": self.last_push,
+            "trainer": self.heartbeat,
         }
 
 

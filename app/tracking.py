@@ -45,6 +45,10 @@ class Tracker:
             t.client.log_batch(t.run_id, params=items[i : i + 100])
         return t
 
+    def tags(self, values: dict[str, str]) -> None:
+        for k, v in values.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
     def metrics(self, values: dict[str, float], step: int) -> None:
         import time
 

@@ -234,10 +234,10 @@ class Learner:
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
         finite = math.isfinite(grad_norm)
-        if finite:
+        if finite:  # a non-finite step changes nothing, the schedule included
             self.opt.step()
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
         if dist.is_initialized():
             red = sums[:7].clone().to(self.device)
             dist.all_reduce(red)

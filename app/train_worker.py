@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from app import checkpoint
 from app.sync import PushStats, SyncError, check_acks, free_port, plan_buckets, resolve_backend, send_buckets
 from app.train_loop import Learner, batch_metrics, staleness
+from app.watchdog import REPORT as STALL_REPORT
+from app.watchdog import Watchdog
 
 log = logging.getLogger("app.train")
 
@@ -32,6 +36,38 @@ def _bcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class _nullcontext:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __enter__(self) -> Any:
+        return self.value
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def stall_report(rollouter: Any, hub: Any) -> dict[str, Any]:
+    """What the rollouter and the replicas are doing, for the watchdog (each answer within 10 s)."""
+    import ray
+
+    out: dict[str, Any] = {}
+    try:
+        out["rollouter"] = ray.get(rollouter.progress.remote(), timeout=10)
+    except Exception as e:
+        out["rollouter"] = f"no answer within 10s ({e!r}): the rollouter itself is stuck or dead"
+    try:
+        st = ray.get(hub.status.remote(), timeout=10)
+        out["replicas"] = {
+            rid: {k: m.get(k) for k in ("alive", "version", "epoch", "dropped", "leaving")}
+            for rid, m in st.get("members", {}).items()
+        }
+        out["hub_version"], out["last_push"] = st.get("version"), st.get("last_push")
+    except Exception as e:
+        out["replicas"] = f"the weight hub did not answer within 10s ({e!r})"
+    return out
 
 
 class TrainerSync:
@@ -206,29 +242,126 @@ def train_worker(config: dict[str, Any]) -> None:
         return log_val(fetch(rollouter.validate.remote(), f"validation of version {version}"), version, step)
 
     fully_async = a.mode == "fully_async"
-    trained_log = Path(config["run_dir"], "trained_groups.jsonl")
+    run_dir = Path(config["run_dir"])
+    trained_log = run_dir / "trained_groups.jsonl"
     version, val_first, val_last = 0, None, None
+    start, skipped_total, tokens_trained = 0, 0, 0
+    # a checkpoint to continue from: Ray Train's (after a worker failure) or --resume's
+    ckpt = ray.train.get_checkpoint()
+    restored_from = None
+    with ckpt.as_directory() if ckpt is not None else _nullcontext(config.get("resume")) as ckpt_dir:
+        if ckpt_dir:
+            state = checkpoint.load(learner, Path(ckpt_dir), rank)
+            version, start = state["version"], state["step"]
+            val_first, val_last = state.get("val_first"), state.get("val_last")
+            skipped_total, tokens_trained = state.get("skipped_total", 0), state.get("tokens_trained", 0)
+            restored_from = {"path": str(ckpt_dir), "step": start, "version": version}
+            if rank == 0:
+                if ckpt is not None:  # same run: forget what the failed workers trained after the checkpoint
+                    dropped = checkpoint.truncate_log(trained_log, start)
+                    log.warning(
+                        "restored step %d from %s; %d trained-group records after it dropped",
+                        start,
+                        ckpt_dir,
+                        dropped,
+                    )
+                got = ray.get(rollouter.restore.remote(state["pipeline"]), timeout=120)
+                restored_from["pipeline"] = got
+                tracker.metrics({"ckpt/restored_step": start, "ckpt/restored_partial": got["partial"]}, start)
     sync.push(version)  # the replicas now hold exactly the trainer's weights, verified by checksum
     bar = None
     if rank == 0:
-        val_first = val_last = validate(version, 0)
+        if restored_from is None or val_last is None:
+            val_first = val_last = validate(version, start)
         from ray.experimental.tqdm_ray import tqdm
 
-        bar = tqdm(total=cfg.train.steps, desc="relay train")
+        bar = tqdm(total=cfg.train.steps, initial=start, desc="relay train")
         if fully_async:
             ray.get(rollouter.start_stream.remote(), timeout=60)
+    dog = None
+    if rank == 0:
+        dog = Watchdog(
+            cfg.train.stall_timeout_s,
+            lambda: stall_report(rollouter, hub),
+            run_dir / STALL_REPORT,
+        ).start()
+
+    def phase(what: str) -> None:
+        if dog is not None:
+            dog.phase(what)
+            hub.beat.remote(
+                {
+                    "phase": what,
+                    "step": dog.last_step,
+                    "restored_step": restored_from["step"] if restored_from else None,
+                }
+            )
+
+    def freeze() -> dict[str, Any]:
+        """End the generations in flight, keeping them as partial rollouts (rank 0; at the end of a run)."""
+        return ray.get(rollouter.snapshot.remote(True, cfg.sync.timeout_s), timeout=cfg.sync.timeout_s + 60)
+
+    def save_checkpoint(
+        step_no: int, freeze: bool, metrics: dict[str, Any], pipeline: dict[str, Any] | None = None
+    ) -> str | None:
+        """Every rank writes its shard; rank 0 adds the counters and the rollouter's snapshot."""
+        phase(f"saving the checkpoint of step {step_no}")
+        t0 = time.perf_counter()
+        if rank == 0 and pipeline is None:
+            pipeline = ray.get(
+                rollouter.snapshot.remote(freeze, cfg.sync.timeout_s), timeout=cfg.sync.timeout_s + 60
+            )
+        tmp = Path(tempfile.mkdtemp(prefix=f"relay-ckpt-r{rank}-"))
+        try:
+            state = {
+                "version": version,
+                "step": step_no,
+                "val_first": val_first,
+                "val_last": val_last,
+                "skipped_total": skipped_total,
+                "tokens_trained": tokens_trained,
+                "mode": a.mode,
+            }
+            checkpoint.save(learner, tmp, rank, state, pipeline)
+            name = _bcast(f"step_{step_no:06d}_{int(time.time() * 1000)}")
+            ray.train.report(
+                metrics, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)), checkpoint_dir_name=name
+            )
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            tracker.metrics(
+                {
+                    "ckpt/save_s": time.perf_counter() - t0,
+                    "ckpt/queued_groups": len(pipeline["ready"]),
+                    "ckpt/pending_prompts": len(pipeline["pending"]),
+                    "ckpt/partial_groups": pipeline["partial_groups"],
+                    "ckpt/partial_tokens": pipeline["partial_tokens"],
+                },
+                step_no,
+            )
+            log.info(
+                "checkpoint of step %d saved in %.2fs: %d queued groups, %d prompts in flight (%d partial)",
+                step_no,
+                time.perf_counter() - t0,
+                len(pipeline["ready"]),
+                len(pipeline["pending"]),
+                pipeline["partial_groups"],
+            )
+        return name
+
     pending = None
     val_pending: tuple[Any, int] | None = None  # fully_async: validation running beside training
     steps = cfg.train.steps
     stop: str | None = None
-    done = 0
-    pushed = 0
+    done = start
+    pushed = version
     t_run = time.perf_counter()
     t_loop_end = t_run  # end of the last step's push (benchmarks: trained tokens per second of the loop)
-    tokens_trained = 0
-    for step in range(steps):
+    for step in range(start, steps):
         t0 = time.perf_counter()
         batch = None
+        phase(f"waiting for {cfg.train.batch_groups} finished groups for step {step + 1}")
         if rank == 0:
             if fully_async:
                 batch = fetch(
@@ -252,8 +385,39 @@ def train_worker(config: dict[str, Any]) -> None:
             log.info("stopping after %d steps: %s", done, stop)
             break
         t1 = time.perf_counter()
+        phase(f"training step {step + 1}")
         stats = learner.step(batch)
         t_train = time.perf_counter() - t1
+        if rank == 0:  # trained: these groups leave the checkpoint state
+            rollouter.ack.remote([g.key for g in batch.groups])
+        if stats["train/skipped_steps"]:
+            skipped_total += 1
+            bad = run_dir / "nonfinite" / f"step_{step + 1:06d}.json"
+            if rank == 0:
+                bad.parent.mkdir(parents=True, exist_ok=True)
+                bad.write_text(
+                    json.dumps(
+                        {
+                            "step": step + 1,
+                            "grad_norm": stats["actor/grad_norm"],
+                            "loss": stats["loss/policy"],
+                            "uids": [g.uid for g in batch.groups],
+                        }
+                    )
+                )
+            log.warning(
+                "step %d: non-finite loss or gradient, update skipped (%d so far); prompt ids in %s",
+                step + 1,
+                skipped_total,
+                bad,
+            )
+            if skipped_total > cfg.train.max_skipped_steps:
+                raise FloatingPointError(
+                    f"{skipped_total} steps had a non-finite loss or gradient, over "
+                    f"train.max_skipped_steps={cfg.train.max_skipped_steps}; the prompt ids of each such batch "
+                    f"are in {bad.parent}. Lower train.lr, check the reward and data, or raise the limit"
+                )
+        stats["train/skipped_steps"] = float(skipped_total)
         if rank == 0 and pending is not None:
             ray.wait([pending], timeout=t_out)  # the push must not land in the middle of generation t+1
         t_overlap_wait = time.perf_counter() - t1 - t_train
@@ -261,6 +425,7 @@ def train_worker(config: dict[str, Any]) -> None:
         last = step + 1 == steps or bool(stop)
         push = None
         if not fully_async or (step + 1) % a.sync_every == 0 or last:
+            phase(f"pushing version {version}")
             push = sync.push(version)
             pushed = version
             if rank == 0 and fully_async:
@@ -353,9 +518,16 @@ def train_worker(config: dict[str, Any]) -> None:
                 m["staleness/mean"],
             )
         done = step + 1
+        if dog is not None:
+            dog.step_done(done)
         if stop:
             log.warning("stopping cleanly after step %d of %d: %s", done, steps, stop)
             break
+        if cfg.train.save_every and done % cfg.train.save_every == 0 and done < steps:
+            save_checkpoint(done, False, {"step": done, "weight_version": version})
+    phase("finishing: final push, validation and checkpoint")
+    # first stop generating: in-flight groups are ended and kept as partial rollouts for the checkpoint
+    frozen = freeze() if rank == 0 else None
     if rank == 0 and fully_async:
         ray.get(rollouter.stop_stream.remote(), timeout=30)
         if val_pending is not None:
@@ -364,7 +536,7 @@ def train_worker(config: dict[str, Any]) -> None:
         sync.push(version)
     if rank == 0 and validated["version"] != version:
         val_last = validate(version, done)
-    final = os.path.join(config["run_dir"], "final")
+    final = str(run_dir / "final")
     learner.save_hf(final, model_path)
     if rank == 0:
         tracker.artifact(final, "final_checkpoint")
@@ -383,7 +555,11 @@ def train_worker(config: dict[str, Any]) -> None:
         "loop_s": t_loop_end - t_run,
         "trained_tokens": tokens_trained,
         "final_checkpoint": str(Path(final).resolve()),
+        "restored_from": restored_from,
     }
+    # the whole pipeline, in-flight generations frozen as partial rollouts: `--resume` continues from here
+    summary["checkpoint_name"] = save_checkpoint(done, True, summary, frozen)
+    if dog is not None:
+        dog.stop()
     if rank == 0:
-        Path(config["run_dir"], "summary.json").write_text(json.dumps(summary))
-    ray.train.report(summary)
+        (run_dir / "summary.json").write_text(json.dumps(summary))

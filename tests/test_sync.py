@@ -245,3 +245,46 @@ def test_hub_version_gated_join_and_clean_leave():
         assert st["members"]["r2"]["leaving"] and st["members"]["r2"]["pushes"] == 2
 
     asyncio.run(scenario())
+
+
+def test_hub_rollback_and_abort_instructions():
+    """After a trainer restores an older checkpoint its push of that version reaches replicas that hold a
+    newer one; `abort_inflight` reaches every live replica once and waits for their answers."""
+
+    async def scenario():
+        hub = WeightHub()
+        await hub.register("r1")
+        g = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0)
+        await hub.ack("r1", "join", g.epoch, True, {})
+        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 5))
+        await hub.ack("r1", "push", 5, True, {"checksums": ["x"]})
+        await hub.wait_acks("push", 5, 1.0)
+        assert hub.version == 5
+        assert (await hub.next_instruction("r1", g.epoch, 5, 0.05))["kind"] == "idle"
+        # the trainer died and restored version 3: a new epoch, then a push of 3
+        g2 = await hub.open_epoch("127.0.0.1", 1235, "gloo", 5.0)
+        assert (await hub.next_instruction("r1", g.epoch, 5, 0.05))["kind"] == "join"
+        await hub.ack("r1", "join", g2.epoch, True, {})
+        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 3))
+        assert hub.version == 2  # rolled back: acks of 3 make it current again
+        ins = await hub.next_instruction("r1", g2.epoch, 5, 0.05)
+        assert ins["kind"] == "push" and ins["plan"].version == 3
+        await hub.ack("r1", "push", 3, True, {"checksums": ["x"]})
+        await hub.wait_acks("push", 3, 1.0)
+        assert hub.version == 3
+        assert (await hub.next_instruction("r1", g2.epoch, 3, 0.05))["kind"] == "idle"
+        # abort: every live replica is told once
+        seen = await hub.abort_count()
+        task = asyncio.create_task(hub.abort_inflight(2.0))
+        await asyncio.sleep(0.05)
+        ins = await hub.next_instruction("r1", g2.epoch, 3, 0.05, seen)
+        assert ins["kind"] == "abort"
+        await hub.ack("r1", "abort", ins["seq"], True, {})
+        acks = await task
+        assert acks["__missing__"]["ids"] == [] and acks["r1"]["ok"]
+        assert (await hub.next_instruction("r1", g2.epoch, 3, 0.05, ins["seq"]))["kind"] == "idle"
+        await hub.beat({"phase": "training step 4"})
+        st = await hub.status()
+        assert st["trainer"]["phase"] == "training step 4" and st["last_push"]["version"] == 3
+
+    asyncio.run(scenario())

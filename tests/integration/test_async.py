@@ -44,11 +44,15 @@ def _prompts(cache_dir: Path, path: Path, n: int) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "partial,correction,eta",
-    [("keep", "decoupled", 1.0), ("resubmit", "tis", 0.5)],
+    "partial,correction,eta,over_bound",
+    [
+        ("keep", "decoupled", 1.0, "train"),
+        ("resubmit", "tis", 0.5, "train"),
+        ("off", "none", 2.0, "regenerate"),
+    ],
 )
 def test_fully_async_drains_the_data_once_within_the_bound(
-    partial, correction, eta, ray_cluster, cache_dir, tmp_path
+    partial, correction, eta, over_bound, ray_cluster, cache_dir, tmp_path
 ):
     from mlflow.tracking import MlflowClient
 
@@ -63,6 +67,7 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         f"algorithm.max_staleness={eta}",
         f"algorithm.correction={correction}",
         f"rollout.partial={partial}",
+        f"algorithm.over_bound={over_bound}",
         "rollout.max_tokens=64",  # long generations (EOS ignored) so that pushes land mid-generation
         "rollout.ignore_eos=true",
         "rollout.max_model_len=160",
@@ -87,11 +92,18 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         assert client.get_metric_history(res["run_id"], key), f"metric {key} missing"
     over = client.get_metric_history(res["run_id"], "async/over_bound")[-1].value
     beyond = [t for t in trained if t["trained_at"] - t["min_version"] > -(-eta // 1)]
-    assert len(beyond) == over  # every group past the bound was counted (and trained with correction)
+    if over_bound == "train":
+        assert len(beyond) == over  # every group past the bound was counted (and trained with correction)
+    else:
+        assert beyond == []  # stragglers were regenerated: no trained token is beyond the bound
     assert max(m.value for m in client.get_metric_history(res["run_id"], "staleness/max")) <= 3
     # pushes landed while groups were generating: their tokens span versions (keep: continued under the new
     # weights; resubmit: aborted and resubmitted as prompt + partial response)
     spans = [t["max_version"] - t["min_version"] for t in trained]
+    if partial == "off":  # pushes wait for generations in flight: a group's tokens come from one version
+        assert max(spans) == 0, spans
+        assert max(m.value for m in client.get_metric_history(res["run_id"], "sync/pause_s")) > 0
+        return
     assert max(spans) >= 1, spans
     if partial == "resubmit":
         assert client.get_metric_history(res["run_id"], "async/resubmitted")[-1].value > 0
