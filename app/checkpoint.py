@@ -94,6 +94,28 @@ def find(path: str | Path) -> Path:
     return found[-1][2]
 
 
+def complete(path: Path) -> bool:
+    """Whether every rank's part of a checkpoint is there (Ray Train copies ranks' parts one by one)."""
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    world = int(state.get("world", 1))
+    return (path / "model" / ".metadata").exists() and all(
+        (path / f"rank{r}.pt").exists() for r in range(world)
+    )
+
+
+def newest(root: Path) -> tuple[int, Path] | None:
+    """(step, path) of the newest complete checkpoint below `root`, or None."""
+    best: tuple[int, float, Path] | None = None
+    for s in root.rglob(STATE) if root.exists() else []:
+        if complete(s.parent):
+            key = (json.loads(s.read_text()).get("step", 0), s.stat().st_mtime, s.parent)
+            best = key if best is None or key[:2] > best[:2] else best
+    return (best[0], best[2]) if best else None
+
+
 def truncate_log(log_path: Path, step: int) -> int:
     """Drop accounting records of steps after `step` (trained by a worker whose work a restore discarded);
     returns how many were dropped."""

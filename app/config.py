@@ -216,11 +216,33 @@ class SyncConfig:
 @dataclass
 class RewardConfig:
     fn: str = "auto"
-    """`auto` (per data source), `exact_match`, `gsm8k`, `code` (sandboxed tests), or a dotted path `pkg.module:function`/`pkg.module.function`."""
+    """`auto` (per data source), `exact_match`, `gsm8k`, `math` (answer equivalence with math-verify), `code`
+    (sandboxed tests), or a dotted path `pkg.module:function`/`pkg.module.function`."""
     timeout_s: float = 10.0
     """Deadline for one reward computation; a timeout scores `on_error`."""
     on_error: float = 0.0
     """Score given to a sample whose reward function raised, hung or returned a non-number."""
+    workers: int = 0
+    """CPU reward workers (Ray actors); 0 scores in the rollouter's own threads."""
+    worker_cpus: float = 0.5
+    """Logical CPUs per reward worker."""
+    max_concurrency: int = 8
+    """Rewards one worker (or, with no workers, the rollouter) computes at once."""
+    overlap: bool = True
+    """Score each trajectory the moment it finishes, while the rest generate; false scores a batch after
+    all of it is generated (sync and one_step_off; the baseline of bench/reward_overlap.py)."""
+
+
+@dataclass
+class RefConfig:
+    workers: int = 0
+    """With algorithm.kl_coef > 0: Ray actors holding the frozen initial policy that compute reference
+    log-probs of finished trajectories in the pipeline, before they reach the trainer; 0 keeps a frozen
+    copy in the trainer instead."""
+    worker_cpus: float = 0.5
+    """Logical CPUs per reference worker."""
+    worker_gpus: float = 0.0
+    """GPUs per reference worker (0: CPU)."""
 
 
 @dataclass
@@ -256,6 +278,7 @@ class RelayConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str = "runs"
@@ -380,6 +403,9 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
     _check("sync.bucket_mb", cfg.sync.bucket_mb > 0, "must be > 0")
     _check("sync.timeout_s", cfg.sync.timeout_s > 0, "must be > 0")
     _check("reward.timeout_s", cfg.reward.timeout_s > 0, "must be > 0")
+    _check("reward.workers", cfg.reward.workers >= 0, "must be >= 0 (0: score in the rollouter)")
+    _check("reward.max_concurrency", cfg.reward.max_concurrency >= 1, "must be >= 1")
+    _check("ref.workers", cfg.ref.workers >= 0, "must be >= 0 (0: the trainer keeps the reference)")
     _check("data.max_prompt_tokens", cfg.data.max_prompt_tokens >= 1, "must be >= 1")
     _check("data.val_size", cfg.data.val_size >= 1, "must be >= 1")
 

@@ -117,6 +117,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     started = start_ray(cfg)
     status = "FAILED"
     try:
+        from app.resources import check as check_resources
+
+        need = check_resources(cfg, ray.cluster_resources())  # refuse a plan that would wait forever
+        log.info("resources by role: %s", need)
         hub = (
             ray.remote(WeightHub)
             .options(name=hub_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0)
@@ -160,15 +164,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             ),
         )
         restore = _graceful_stop(hub)
+        stall = run_dir / STALL_REPORT
         try:
             result = trainer.fit()
+        except Exception as e:  # Ray Train raises when the workers failed for good
+            if stall.exists() and stall.stat().st_mtime >= t0:
+                raise StallError(summarize(json.loads(stall.read_text()))) from e
+            raise
         finally:
             restore()  # the weight group's membership history: who joined when, at which version, who left
             with contextlib.suppress(Exception):
                 members = ray.get(hub.status.remote(), timeout=10)
                 (run_dir / "rollout_members.json").write_text(json.dumps(members, indent=1))
                 tracker.artifact(str(run_dir / "rollout_members.json"))
-        stall = run_dir / STALL_REPORT
         if result.error:
             if stall.exists() and stall.stat().st_mtime >= t0:
                 raise StallError(summarize(json.loads(stall.read_text()))) from result.error

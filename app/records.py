@@ -19,6 +19,7 @@ class Sample:
     reward_error: str | None = None
     reward_extras: dict[str, float] = field(default_factory=dict)
     replica: str = ""
+    ref_logprobs: list[float] | None = None  # reference policy's, when computed off the trainer
 
 
 @dataclass

@@ -81,13 +81,34 @@ def gsm8k_reward(response: str, answer: str, flexible: bool = False) -> float:
     return 1.0 if truth is not None and pred is not None and truth == pred else 0.0
 
 
-BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "gsm8k": gsm8k_reward, "code": code_reward}
+def math_reward(response: str, answer: str) -> float:
+    """1.0 when the response's final answer is mathematically equivalent to `answer` (math-verify: LaTeX or
+    plain expressions, `\\boxed{}` preferred; 1/2 == 0.5 == \\frac{1}{2}, (x+1)^2 == x^2+2x+1), else 0.0.
+    math-verify's own signal-based timeouts are off (they only work on the main thread): `score()`'s
+    deadline bounds the call instead."""
+    from math_verify import parse, verify
+
+    gold_text = answer if ("$" in answer or "\\" in answer) else f"${answer}$"
+    gold = parse(gold_text, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math reward: cannot parse the reference answer {answer!r}")
+    pred = parse(response, parsing_timeout=None)
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+BUILTINS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "gsm8k": gsm8k_reward,
+    "math": math_reward,
+    "code": code_reward,
+}
 
 
 def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     """The reward function named by `spec` (the `reward.fn` setting).
 
-    `exact_match`, `gsm8k`, `auto` (gsm8k when `data_source` contains "gsm8k", else exact_match), or a
+    `exact_match`, `gsm8k`, `math`, `auto` (gsm8k when `data_source` contains "gsm8k", math for math-like
+    sources (math, aime, amc, olympiad), the sandbox for `code`, else exact_match), or a
     dotted path `pkg.module:function` / `pkg.module.function` to a user function called as
     `fn(response, answer)`. Raises ValueError naming the spec and the fix when it cannot be resolved.
     """
@@ -96,11 +117,15 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
         source = (data_source or "").lower()
         if source == "code":  # app.code_task's rows: run the program on the row's tests in the sandbox
             return code_reward
-        return gsm8k_reward if "gsm8k" in source else exact_match
+        if "gsm8k" in source:
+            return gsm8k_reward
+        if any(k in source for k in ("math", "aime", "amc", "olympiad")):
+            return math_reward
+        return exact_match
     if spec in BUILTINS:
         return BUILTINS[spec]
     hint = (
-        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'code' or a dotted path "
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'math', 'code' or a dotted path "
         "'pkg.module:function' to a function importable from the working directory (PYTHONPATH)"
     )
     if ":" in spec:

@@ -29,7 +29,7 @@ from app import admission
 from app.config import parse_lengths
 from app.data import DataError, PromptRow, render_prompt
 from app.records import Batch, Group, Sample, group_key
-from app.rewards import resolve_reward_fn, score
+from app.reward_pool import RewardPool
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,13 @@ class Rollouter:
         self.val_rows = val_rows[: d.val_size]
         val_ds = prompt_dataset(self.val_rows, model_path, d.max_prompt_tokens, d.truncation)
         self.val_prompts = [r for r in val_ds.take_all() if not r["overlong"]]
-        self.reward_fns: dict[str, Any] = {}
+        # the reward stage (CPU workers or this actor's threads) and the reference workers
+        self.rewards = RewardPool(self.cfg.reward, self.cfg.ray.name)
+        self.refs = None
+        if self.cfg.algorithm.kl_coef > 0 and self.cfg.ref.workers > 0:
+            from app.reference import RefPool
+
+            self.refs = RefPool(self.cfg, model_path)
         self.lengths = parse_lengths(self.cfg.rollout.lengths)
         self.epoch = 0
         self.cursor = 0  # prompts handed out so far
@@ -171,11 +177,6 @@ class Rollouter:
         self.freezing = False  # `snapshot(freeze=True)`: aborted samples are kept as partial rollouts
         self.partials: dict[str, list[dict[str, Any]]] = {}
         self.restores = 0
-
-    def _reward_fn(self, data_source: str):
-        if data_source not in self.reward_fns:
-            self.reward_fns[data_source] = resolve_reward_fn(self.cfg.reward.fn, data_source)
-        return self.reward_fns[data_source]
 
     def _iter_epoch(self):
         ds = self.train_ds
@@ -226,12 +227,20 @@ class Rollouter:
         return out
 
     async def _group(
-        self, row: dict[str, Any], n: int, temperature: float, seed: int | None, train: bool = True
+        self,
+        row: dict[str, Any],
+        n: int,
+        temperature: float,
+        seed: int | None,
+        train: bool = True,
+        score_now: bool = True,
     ) -> Group:
+        """One prompt's group: each sample is its own request, scored the moment it finishes (the reward
+        overlaps the rest of the group's generation) unless `score_now` is false (see `_score_group`)."""
         r = self.cfg.rollout
         req = {
             "prompt_ids": json.loads(row["prompt_ids"]),
-            "n": n,
+            "n": 1,
             "max_tokens": admission.response_budget(self.lengths, row["uid"], self.cfg.seed, r.max_tokens),
             "temperature": temperature,
             "top_p": r.top_p if temperature > 0 else 1.0,
@@ -239,21 +248,85 @@ class Rollouter:
             "ignore_eos": r.ignore_eos,
         }
         key = group_key(row.get("epoch", 0), row["uid"]) if train else f"val:{row['uid']}"
+        restored = row.get("partial")
+        if restored:  # from a checkpoint: continue the saved partial samples
+            self.stats["ckpt/resumed_partial_groups"] += 1
         self.inflight.add(key)
         try:
-            if row.get("partial"):  # restored from a checkpoint: continue the saved partial samples
-                self.stats["ckpt/resumed_partial_groups"] += 1
-                resp = {"samples": [dict(smp) for smp in row["partial"]], "replica": "resumed"}
-            else:
-                resp = await self._request(row, req)
-            if r.partial == "resubmit" or row.get("partial"):
-                resp["samples"] = [await self._complete(req, smp) for smp in resp["samples"]]
+            outs = await asyncio.gather(
+                *[
+                    self._sample(
+                        row,
+                        {**req, "seed": None if seed is None else seed + i},
+                        dict(restored[i]) if restored else None,
+                        score_now,
+                    )
+                    for i in range(len(restored) if restored else n)
+                ]
+            )
         finally:
             self.inflight.discard(key)
-        if train and self.freezing and any(smp["finish_reason"] == "abort" for smp in resp["samples"]):
-            self.partials[key] = resp["samples"]  # a checkpoint ended it: saved with its versions
+        if train and self.freezing and any(smp["finish_reason"] == "abort" for smp, _, _ in outs):
+            self.partials[key] = [smp for smp, _, _ in outs]  # a checkpoint ended it: saved with versions
             raise Frozen(key)
-        return await self._scored(row, req, resp)
+        samples = []
+        for smp, text, res in outs:
+            if res is not None and res.error:
+                self.stats[f"reward/errors_{res.error}"] += 1
+            samples.append(
+                Sample(
+                    smp["token_ids"],
+                    smp["logprobs"],
+                    smp["versions"],
+                    smp["finish_reason"],
+                    text,
+                    res.score if res is not None else 0.0,
+                    res.error if res is not None else "unscored",
+                    res.extras if res is not None else {},
+                    smp.get("replica", ""),
+                )
+            )
+        g = Group(
+            row["uid"],
+            req["prompt_ids"],
+            row["answer"],
+            samples,
+            row.get("epoch", 0),
+            row["prompt"],
+            row["data_source"],
+        )
+        if train and score_now and self.refs is not None:
+            await self.refs.fill(g)
+        return g
+
+    async def _sample(
+        self, row: dict[str, Any], req: dict[str, Any], smp: dict[str, Any] | None, score_now: bool
+    ) -> tuple[dict[str, Any], str, Any]:
+        """Generate (or continue) one sample, then score it at once: (sample, text, RewardResult or None)."""
+        if smp is None:
+            resp = await self._request(row, req)
+            smp = {**resp["samples"][0], "replica": resp["replica"]}
+        if self.cfg.rollout.partial == "resubmit" or smp["finish_reason"] == "abort":
+            smp = await self._complete(req, smp)
+        if self.freezing and smp["finish_reason"] == "abort":
+            return smp, "", None
+        text = self.tok.decode(smp["token_ids"], skip_special_tokens=True)
+        if not score_now:
+            return smp, text, None
+        return smp, text, await self.rewards.score(row["data_source"], text, row["answer"])
+
+    async def _score_group(self, g: Group) -> Group:
+        """Score a group generated with score_now=False (reward.overlap=false: after the whole batch)."""
+        results = await asyncio.gather(
+            *[self.rewards.score(g.data_source, s.text, g.answer) for s in g.samples]
+        )
+        for s, res in zip(g.samples, results, strict=True):
+            if res.error:
+                self.stats[f"reward/errors_{res.error}"] += 1
+            s.reward, s.reward_error, s.reward_extras = res.score, res.error, res.extras
+        if self.refs is not None:
+            await self.refs.fill(g)
+        return g
 
     async def _request(self, row: dict[str, Any], req: dict[str, Any]) -> dict[str, Any]:
         r = self.cfg.rollout
@@ -274,39 +347,6 @@ class Rollouter:
         else:
             raise RuntimeError(f"rollout failed for prompt {row['uid']} after 3 attempts: {last}") from last
         return resp
-
-    async def _scored(self, row: dict[str, Any], req: dict[str, Any], resp: dict[str, Any]) -> Group:
-        fn = self._reward_fn(row["data_source"])
-        samples = []
-        for s in resp["samples"]:
-            text = self.tok.decode(s["token_ids"], skip_special_tokens=True)
-            res = await asyncio.to_thread(
-                score, fn, text, row["answer"], self.cfg.reward.timeout_s, self.cfg.reward.on_error
-            )
-            if res.error:
-                self.stats[f"reward/errors_{res.error}"] += 1
-            samples.append(
-                Sample(
-                    s["token_ids"],
-                    s["logprobs"],
-                    s["versions"],
-                    s["finish_reason"],
-                    text,
-                    res.score,
-                    res.error,
-                    res.extras,
-                    resp["replica"],
-                )
-            )
-        return Group(
-            row["uid"],
-            req["prompt_ids"],
-            row["answer"],
-            samples,
-            row.get("epoch", 0),
-            row["prompt"],
-            row["data_source"],
-        )
 
     async def _complete(self, req: dict[str, Any], sample: dict[str, Any]) -> dict[str, Any]:
         """rollout.partial=resubmit: a sample aborted by a push goes back as prompt + partial response
@@ -342,9 +382,15 @@ class Rollouter:
         rows = await asyncio.to_thread(self._next_rows, num_groups - len(restored), gen)
         r = self.cfg.rollout
         base = random.Random(self.cfg.seed * 1_000_003 + self.cursor)
-        groups = restored + await asyncio.gather(
-            *[self._group(row, r.n, r.temperature, base.randrange(2**31)) for row in rows]
+        overlap = self.cfg.reward.overlap
+        fresh = await asyncio.gather(
+            *[self._group(row, r.n, r.temperature, base.randrange(2**31), score_now=overlap) for row in rows]
         )
+        if not overlap:  # the baseline: score the batch once all of it is generated
+            t_gen = time.perf_counter() - t0
+            fresh = await asyncio.gather(*[self._score_group(g) for g in fresh])
+            self.stats["timing/reward_after_s"] = time.perf_counter() - t0 - t_gen
+        groups = restored + list(fresh)
         if gen != self.gen:
             raise RuntimeError("this batch request was superseded by a restore from a checkpoint")
         dt = time.perf_counter() - t0

@@ -561,12 +561,13 @@ class WeightHub:
         return self.group
 
     async def announce(self, plan: PushPlan) -> None:
-        if plan.version <= self.version:  # the trainer restored an earlier checkpoint: replicas roll back
+        if plan.version < self.version:  # the trainer restored an earlier checkpoint: replicas roll back
             log.warning(
                 "version %d announced after %d: rolling the replicas back (trainer restored from a checkpoint)",
                 plan.version,
                 self.version,
             )
+        if plan.version <= self.version:  # (the same version again: a retry, or a restore at this version)
             self.version = plan.version - 1
         self.plan = plan
         self.last_push = {

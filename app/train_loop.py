@@ -79,6 +79,7 @@ class Row:
     behaviour_logprobs: list[float]
     advantage: float
     versions: list[int]
+    ref_logprobs: list[float] | None = None  # from the reference workers (ref.workers > 0)
 
 
 def flatten_batch(batch: Batch, normalize_std: bool) -> list[Row]:
@@ -90,7 +91,7 @@ def flatten_batch(batch: Batch, normalize_std: bool) -> list[Row]:
         for s, a in zip(g.samples, adv, strict=True):
             if not s.token_ids:
                 continue
-            rows.append(Row(g.prompt_ids, s.token_ids, s.logprobs, a, s.versions))
+            rows.append(Row(g.prompt_ids, s.token_ids, s.logprobs, a, s.versions, s.ref_logprobs))
     return rows
 
 
@@ -104,6 +105,8 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, tor
     mask = torch.zeros((b, width - 1), dtype=torch.float32)
     old = torch.zeros((b, width - 1), dtype=torch.float32)
     adv = torch.zeros((b, width - 1), dtype=torch.float32)
+    has_ref = bool(rows) and all(r.ref_logprobs is not None for r in rows)
+    ref = torch.zeros((b, width - 1), dtype=torch.float32)
     for i, r in enumerate(rows):
         seq = list(r.prompt_ids) + list(r.response_ids)
         n, p = len(seq), len(r.prompt_ids)
@@ -114,12 +117,12 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, tor
         mask[i, sl] = 1.0
         old[i, sl] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
         adv[i, sl] = r.advantage
-    return {
-        k: v.to(device)
-        for k, v in dict(
-            input_ids=ids, attention_mask=attn, targets=targets, mask=mask, old=old, adv=adv
-        ).items()
-    }
+        if has_ref:
+            ref[i, sl] = torch.tensor(r.ref_logprobs, dtype=torch.float32)
+    out = dict(input_ids=ids, attention_mask=attn, targets=targets, mask=mask, old=old, adv=adv)
+    if has_ref:
+        out["ref"] = ref
+    return {k: v.to(device) for k, v in out.items()}
 
 
 def response_logprobs(
@@ -142,7 +145,7 @@ class Learner:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.model = build_fsdp_model(model_path, cfg.model.dtype, device, t.activation_checkpointing)
         self.ref = None
-        if cfg.algorithm.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0 and cfg.ref.workers == 0:  # else the reference workers send them
             self.ref = build_fsdp_model(model_path, cfg.model.dtype, device, train=False)
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
@@ -201,9 +204,17 @@ class Learner:
                 if cap is not None:
                     w_is = w_is.clamp(max=cap)
             kl_tok = torch.zeros_like(loss_tok)
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logp, _ = response_logprobs(self.ref, mb)
+            if a.kl_coef > 0:
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref_logp, _ = response_logprobs(self.ref, mb)
+                elif "ref" in mb:
+                    ref_logp = mb["ref"]
+                else:
+                    raise RuntimeError(
+                        "algorithm.kl_coef > 0 with ref.workers > 0, but a trained sample has no reference "
+                        "log-probs (the reference workers did not score it)"
+                    )
                 kl_tok = grpo.kl_penalty(logp, ref_logp, a.kl_kind) * mb["mask"]
             total_tok = loss_tok + a.kl_coef * kl_tok
             loss = grpo.aggregate(
@@ -349,6 +360,11 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     n = max(1, len(rewards))
     mean = sum(rewards) / n
     std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
+    subs: dict[str, list[float]] = {}
+    for g in batch.groups:
+        for s in g.samples:
+            for k, v in s.reward_extras.items():
+                subs.setdefault(k, []).append(v)
     solved = sum(1 for g in batch.groups if all(s.reward > 0 for s in g.samples))
     zero = sum(1 for g in batch.groups if len({s.reward for s in g.samples}) == 1)
     return {
@@ -364,6 +380,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "batch/groups_zero_adv": float(zero),
         "data/dropped_overlong": float(batch.dropped_overlong),
         **{k: float(v) for k, v in batch.reward_errors.items()},
+        **{f"reward/sub/{k}": sum(v) / len(v) for k, v in subs.items()},  # a reward's named sub-scores
     }
 
 

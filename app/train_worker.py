@@ -38,6 +38,20 @@ def _bcast(obj: Any) -> Any:
     return box[0]
 
 
+EMPTY_PIPELINE: dict[str, Any] = {
+    "epoch": 0,
+    "epoch_seen": [],
+    "cursor": 0,
+    "taken": 0,
+    "version": 0,
+    "dropped_overlong": 0,
+    "ready": [],
+    "pending": [],
+    "partial_groups": 0,
+    "partial_tokens": 0,
+}
+
+
 class _nullcontext:
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -246,10 +260,27 @@ def train_worker(config: dict[str, Any]) -> None:
     trained_log = run_dir / "trained_groups.jsonl"
     version, val_first, val_last = 0, None, None
     start, skipped_total, tokens_trained = 0, 0, 0
-    # a checkpoint to continue from: Ray Train's (after a worker failure) or --resume's
+    # a checkpoint to continue from: after a worker failure Ray Train's latest, or a newer complete one in
+    # this run's storage (one reported just before the failure may not have been registered yet); else
+    # --resume's
     ckpt = ray.train.get_checkpoint()
     restored_from = None
-    with ckpt.as_directory() if ckpt is not None else _nullcontext(config.get("resume")) as ckpt_dir:
+    choice: dict[str, Any] = {}
+    if rank == 0:  # decided once, by rank 0, for every rank
+        restart = ray.get(hub.status.remote(), timeout=30)["version"] >= 0  # this run pushed: a restart
+        found = checkpoint.newest(run_dir / "ray_train") if restart else None
+        if ckpt is not None and found is not None:
+            with ckpt.as_directory() as d:
+                if json.loads(Path(d, checkpoint.STATE).read_text())["step"] >= found[0]:
+                    found = None
+        choice = {"restart": restart, "path": str(found[1]) if found else None}
+    choice = _bcast(choice)
+    restart = choice["restart"]
+    if choice["path"]:
+        ckpt, source = None, choice["path"]
+    else:
+        source = None if ckpt is not None else config.get("resume")
+    with ckpt.as_directory() if ckpt is not None else _nullcontext(source) as ckpt_dir:
         if ckpt_dir:
             state = checkpoint.load(learner, Path(ckpt_dir), rank)
             version, start = state["version"], state["step"]
@@ -257,7 +288,7 @@ def train_worker(config: dict[str, Any]) -> None:
             skipped_total, tokens_trained = state.get("skipped_total", 0), state.get("tokens_trained", 0)
             restored_from = {"path": str(ckpt_dir), "step": start, "version": version}
             if rank == 0:
-                if ckpt is not None:  # same run: forget what the failed workers trained after the checkpoint
+                if restart:  # same run: forget what the failed workers trained after the checkpoint
                     dropped = checkpoint.truncate_log(trained_log, start)
                     log.warning(
                         "restored step %d from %s; %d trained-group records after it dropped",
@@ -268,6 +299,10 @@ def train_worker(config: dict[str, Any]) -> None:
                 got = ray.get(rollouter.restore.remote(state["pipeline"]), timeout=120)
                 restored_from["pipeline"] = got
                 tracker.metrics({"ckpt/restored_step": start, "ckpt/restored_partial": got["partial"]}, start)
+        elif restart and rank == 0:  # restarted before any checkpoint: start the stream afresh
+            checkpoint.truncate_log(trained_log, 0)
+            ray.get(rollouter.restore.remote(EMPTY_PIPELINE), timeout=120)
+            log.warning("restarted without a checkpoint: training starts over from version 0")
     sync.push(version)  # the replicas now hold exactly the trainer's weights, verified by checksum
     bar = None
     if rank == 0:
@@ -275,7 +310,9 @@ def train_worker(config: dict[str, Any]) -> None:
             val_first = val_last = validate(version, start)
         from ray.experimental.tqdm_ray import tqdm
 
-        bar = tqdm(total=cfg.train.steps, initial=start, desc="relay train")
+        bar = tqdm(total=cfg.train.steps, desc="relay train")
+        if start:
+            bar.update(start)
         if fully_async:
             ray.get(rollouter.start_stream.remote(), timeout=60)
     dog = None
@@ -321,6 +358,7 @@ def train_worker(config: dict[str, Any]) -> None:
                 "skipped_total": skipped_total,
                 "tokens_trained": tokens_trained,
                 "mode": a.mode,
+                "world": learner.world,
             }
             checkpoint.save(learner, tmp, rank, state, pipeline)
             name = _bcast(f"step_{step_no:06d}_{int(time.time() * 1000)}")

@@ -69,3 +69,18 @@ def test_watchdog_report_failure_still_reports(tmp_path):
     time.sleep(0.05)
     rep = dog.check()
     assert rep is not None and "hub did not answer" in rep["report_error"]
+
+
+def test_newest_complete_checkpoint(tmp_path):
+    run = tmp_path / "ray_train"
+    a = _ckpt(run / "step_000002_1", 2)
+    b = _ckpt(run / "step_000004_2", 4)
+    assert checkpoint.newest(run) is None  # no rank files, no DCP metadata: not complete
+    for c in (a, b):
+        (c / "model").mkdir()
+        (c / "model" / ".metadata").write_text("x")
+        (c / "rank0.pt").write_text("x")
+    assert checkpoint.newest(run) == (4, b)
+    (b / checkpoint.STATE).write_text(json.dumps({"step": 4, "world": 2}))  # rank 1's part missing
+    assert checkpoint.newest(run) == (2, a)
+    assert checkpoint.newest(tmp_path / "nothing") is None

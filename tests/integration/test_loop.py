@@ -56,8 +56,8 @@ def test_trainer_and_vllm_logprobs_match_after_step_and_push(rollout_stack, tmp_
     assert all(v == 0 for vs in r["token_versions"] for v in vs)  # sampled by the pushed v0
 
 
-def _run_cli(mode: str, ray_cluster, cache_dir: Path, tmp_path: Path) -> tuple[dict, str]:
-    cmd = train_cmd(ray_cluster, cache_dir, tmp_path, f"e2e-{mode}", f"algorithm.mode={mode}")
+def _run_cli(mode: str, ray_cluster, cache_dir: Path, tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    cmd = train_cmd(ray_cluster, cache_dir, tmp_path, f"e2e-{mode}", f"algorithm.mode={mode}", *extra)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -92,7 +92,10 @@ def test_cli_run_end_to_end(mode, ray_cluster, cache_dir, tmp_path):
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
-    res, _ = _run_cli(mode, ray_cluster, cache_dir, tmp_path)
+    # one_step_off also runs the pipeline's side roles: rewards on a CPU reward worker, and reference
+    # log-probs for the KL penalty on a reference worker instead of in the trainer
+    extra = ["reward.workers=1", "algorithm.kl_coef=0.05", "ref.workers=1"] if mode == "one_step_off" else []
+    res, _ = _run_cli(mode, ray_cluster, cache_dir, tmp_path, *extra)
     assert res["ok"] is True
     assert set(res) >= {
         "run_id",
@@ -118,6 +121,11 @@ def test_cli_run_end_to_end(mode, ray_cluster, cache_dir, tmp_path):
         assert sorted(stale) == [0, 1, 1, 1]
         mean = [m.value for m in client.get_metric_history(res["run_id"], "staleness/mean")]
         assert sorted(mean) == [0, 1, 1, 1]
+    kl = [m.value for m in client.get_metric_history(res["run_id"], "loss/kl")]
+    if mode == "one_step_off":  # reference log-probs came from the reference worker: the policy moved away
+        assert max(kl) > 0 and run.data.params["ref.workers"] == "1"
+    else:
+        assert max(kl) == 0
     artifacts = {a.path for a in client.list_artifacts(res["run_id"])}
     assert {"config.yaml", "final_checkpoint", "samples", "reward_curve.png"} <= artifacts
     assert client.get_metric_history(res["run_id"], "system/cpu_utilization_percentage")

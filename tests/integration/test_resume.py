@@ -43,6 +43,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         "rollout.ignore_eos=true",
         "rollout.max_model_len=128",
         "rollout.max_inflight=8",
+        "rollout.max_num_seqs=4",  # generation is the bottleneck: groups are always in flight
         "train.steps=1000",  # the data (120 prompts, one epoch) ends the run
         "train.save_every=2",
         "train.max_failures=1",
@@ -92,7 +93,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
     (line,) = re.findall(r"RESULT (\{.*\})", out_a)
     res_a = json.loads(line)
     assert res_a["ok"] and "SIGTERM" in res_a["stopped"], res_a
-    assert res_a["restored_from"] and res_a["restored_from"]["step"] in (2, 4), res_a
+    assert res_a["restored_from"] and res_a["restored_from"]["step"] >= 2, res_a
     assert _metric(res_a, "ckpt/restored_step"), "the restart did not restore the checkpoint"
     frozen = _metric(res_a, "ckpt/partial_groups")[-1]
     assert frozen > 0, "no generation was in flight at the stop (nothing to resume partially)"
