@@ -34,7 +34,8 @@ DTYPES = ("float32", "bfloat16")
 @dataclass
 class ModelConfig:
     path: str = "builtin:tiny"
-    """A local HF checkpoint folder, or `builtin:tiny` to build (once, cached) the embedded tiny model."""
+    """A local HF checkpoint folder, or `builtin:tiny` to build (once, cached) the embedded tiny model
+    (`builtin:tiny-code`: the same with an ASCII tokenizer, for `builtin:code`)."""
     dtype: str = "float32"
     """Parameter dtype of trainer and replicas: float32 on CPU, bfloat16 on GPU."""
     cache_dir: str = ".cache/relay"
@@ -246,6 +247,28 @@ class RefConfig:
 
 
 @dataclass
+class ResourcesConfig:
+    """Shares of the cluster by role. Each value is a count (>= 1) or a fraction of the cluster's total
+    (< 1); 0 leaves the role's own per-worker settings as they are. Resolved against the Ray cluster at
+    start (app/resources.py), which refuses a plan that does not fit."""
+
+    rollout_gpus: float = 0.0
+    """GPUs of the rollout role, split evenly over rollout.max_replicas (sets rollout.replica_gpus)."""
+    train_gpus: float = 0.0
+    """GPUs of the trainer: one per Ray Train worker (sets train.use_gpu and train.workers)."""
+    ref_gpus: float = 0.0
+    """GPUs of the reference workers, split over ref.workers (sets ref.worker_gpus)."""
+    rollout_cpus: float = 0.0
+    """CPUs of the rollout role, split over rollout.max_replicas (sets rollout.replica_cpus)."""
+    train_cpus: float = 0.0
+    """CPUs of the trainer, split over train.workers (sets train.worker_cpus)."""
+    reward_cpus: float = 0.0
+    """CPUs of the reward workers, split over reward.workers (sets reward.worker_cpus)."""
+    ref_cpus: float = 0.0
+    """CPUs of the reference workers, split over ref.workers (sets ref.worker_cpus)."""
+
+
+@dataclass
 class TrackingConfig:
     uri: str = ""
     """MLflow tracking URI; empty means a local store under `run_dir`/mlruns."""
@@ -279,6 +302,7 @@ class RelayConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str = "runs"
@@ -357,9 +381,9 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
     _check(
         "data.train",
         not (cfg.model.path == "builtin:tiny" and "builtin:code" in (cfg.data.train, cfg.data.val)),
-        "builtin:code needs a real instruction-tuned model.path (the tiny model's character tokenizer "
-        "only knows the arithmetic task's characters); set model.path, data.max_prompt_tokens>=160 and "
-        "rollout.max_tokens>=256",
+        "builtin:code needs a tokenizer that can write programs: model.path=builtin:tiny-code (the tiny "
+        "model with an ASCII tokenizer; `--config code` sets it up) or a real instruction-tuned model; "
+        "the arithmetic tiny model's tokenizer only knows digits and a few letters",
     )
     _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGG)
     _check_choice("algorithm.kl_kind", cfg.algorithm.kl_kind, KL_KINDS)
@@ -406,6 +430,12 @@ def validate(cfg: RelayConfig | DictConfig) -> None:
     _check("reward.workers", cfg.reward.workers >= 0, "must be >= 0 (0: score in the rollouter)")
     _check("reward.max_concurrency", cfg.reward.max_concurrency >= 1, "must be >= 1")
     _check("ref.workers", cfg.ref.workers >= 0, "must be >= 0 (0: the trainer keeps the reference)")
+    for f in fields(ResourcesConfig):
+        _check(
+            f"resources.{f.name}",
+            getattr(cfg.resources, f.name) >= 0,
+            "must be >= 0 (a count or a share < 1)",
+        )
     _check("data.max_prompt_tokens", cfg.data.max_prompt_tokens >= 1, "must be >= 1")
     _check("data.val_size", cfg.data.val_size >= 1, "must be >= 1")
 

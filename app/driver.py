@@ -44,6 +44,10 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
     if model_path == "builtin:tiny":
         model_path = str(root / "model")
+    elif model_path == "builtin:tiny-code":
+        from app.tiny import ensure_builtin_code
+
+        model_path = str(ensure_builtin_code(cfg.model.cache_dir, seed=cfg.seed) / "model")
     elif not Path(model_path, "config.json").exists():
         raise FileNotFoundError(
             f"model.path={model_path!r} is not an HF checkpoint folder (no config.json); "
@@ -118,8 +122,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     status = "FAILED"
     try:
         from app.resources import check as check_resources
+        from app.resources import resolve as resolve_resources
 
-        need = check_resources(cfg, ray.cluster_resources())  # refuse a plan that would wait forever
+        cluster = ray.cluster_resources()
+        shares = resolve_resources(cfg, cluster)  # resources.* shares -> per-role settings
+        if shares:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in shares.items()]))
+            log.info("resources.* on this cluster: %s", shares)
+        need = check_resources(cfg, cluster)  # refuse a plan that would wait forever
         log.info("resources by role: %s", need)
         hub = (
             ray.remote(WeightHub)

@@ -10,6 +10,7 @@ unbounded code and must be killed belong in a subprocess sandbox, a later featur
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import importlib
 import inspect
@@ -194,8 +195,12 @@ def _interpret(value: Any, on_error: float) -> RewardResult:
     return RewardResult(s, None, "", extras)
 
 
+async def _awaited(aw: Any) -> Any:
+    return await aw
+
+
 def score(fn: RewardFn, response: str, answer: str, timeout_s: float, on_error: float) -> RewardResult:
-    """Run `fn(response, answer)` with a deadline of `timeout_s` seconds and never raise.
+    """Run `fn(response, answer)` (sync, or async: awaited on the reward thread) with a deadline of `timeout_s` seconds and never raise.
 
     Exceptions score `on_error` with error="exception" (logged as a warning); a call still running at
     the deadline scores `on_error` with error="timeout" and its daemon thread is abandoned (it cannot be
@@ -207,7 +212,10 @@ def score(fn: RewardFn, response: str, answer: str, timeout_s: float, on_error: 
 
     def work() -> None:
         try:
-            outcome = (True, fn(response, answer))
+            value = fn(response, answer)
+            if inspect.isawaitable(value):  # an async reward function: run it on this thread's own loop
+                value = asyncio.run(_awaited(value))
+            outcome = (True, value)
         except BaseException as e:  # reported to the caller, never raised here
             outcome = (False, e)
         future.set_result(outcome)

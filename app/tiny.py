@@ -58,23 +58,43 @@ def make_problems(
     return train, val
 
 
-def build_tokenizer():
+def _byte_level_ascii() -> list[str]:
+    """Printable ASCII, newline and tab as byte-level characters (space is 'Ġ', newline 'Ċ'): transformers
+    loads a Qwen2-typed checkpoint's tokenizer as Qwen2Tokenizer (byte-level pre-tokenizer and decoder, a BPE
+    without merges over our vocabulary), so the vocabulary must be in that alphabet to round-trip."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    )
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, map(chr, cs), strict=False))
+    return [table[b] for b in [9, 10, *range(32, 127)]]
+
+
+ASCII_CHARS = _byte_level_ascii()  # the code variant's alphabet
+
+
+def build_tokenizer(chars: list[str] | None = None, max_len: int = 256):
     """A character-level WordLevel tokenizer wrapped for transformers (and vLLM)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {PAD: 0, EOS: 1, UNK: 2}
-    for c in CHARS:
+    for c in chars or CHARS:
         vocab.setdefault(c, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=256
+        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=max_len
     )
 
 
-def model_config(vocab_size: int):
+def model_config(vocab_size: int, max_positions: int = 256):
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -84,7 +104,7 @@ def model_config(vocab_size: int):
         num_hidden_layers=2,
         num_attention_heads=4,  # head_dim 32: the smallest vLLM's CPU attention supports
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
@@ -168,4 +188,67 @@ def ensure_builtin(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 150
     tmp.rename(root / "model")
     marker.write_text(json.dumps({"version": BUILD_VERSION, "seed": seed, "warmup_val_accuracy": acc}))
     log.info("embedded model ready: warm-up validation accuracy %.3f", acc)
+    return root
+
+
+CODE_BUILD_VERSION = 1
+CODE_MAX_POSITIONS = 1024
+
+
+def ensure_builtin_code(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 60) -> Path:
+    """Build (once) `builtin:tiny-code`: the tiny architecture with a printable-ASCII character tokenizer
+    and 1024 positions, so that `builtin:code` prompts and Python programs are expressible. A short
+    supervised warm-up on the task's reference solutions teaches it the reply format (a ```python block);
+    its programs are mostly wrong, which is the point: the code-reward path (sandbox, error kinds) runs end
+    to end on CPU. Returns the folder holding `model/`."""
+    root = Path(cache_dir) / f"builtin-code-v{CODE_BUILD_VERSION}-seed{seed}"
+    marker = root / "build.json"
+    if marker.exists():
+        return root
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from app.code_task import make_code_problems
+
+    log.info("building the embedded tiny code model under %s", root)
+    root.mkdir(parents=True, exist_ok=True)
+    from transformers import AutoTokenizer
+
+    tmp = root / "model.tmp"
+    built = build_tokenizer(ASCII_CHARS, CODE_MAX_POSITIONS)
+    built.save_pretrained(tmp)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(model_config(len(built), CODE_MAX_POSITIONS))
+    model.config.save_pretrained(tmp)
+    tok = AutoTokenizer.from_pretrained(tmp)  # as vLLM and the trainer load it (next to config.json)
+    probe = "```python\nn = int(input())\n\tprint(n * 2)\n```"
+    if tok.decode(tok.encode(probe, add_special_tokens=False)) != probe:
+        raise RuntimeError(f"the tiny code tokenizer does not round-trip {probe!r}")
+    problems = make_code_problems(512, seed + 7, prefix="warmup")  # not the task's own prompts
+    g = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(warmup_steps):
+        seqs, starts = [], []
+        for p in g.sample(problems, 8):
+            ids = tok.encode(p.prompt, add_special_tokens=False)
+            reply = tok.encode(f"```python\n{p.solution.strip()}\n```", add_special_tokens=False)
+            seqs.append([*ids, *reply, tok.eos_token_id][:CODE_MAX_POSITIONS])
+            starts.append(len(ids))
+        width = max(map(len, seqs))
+        x = torch.full((len(seqs), width), tok.pad_token_id)
+        labels = torch.full((len(seqs), width), -100)
+        for i, (sq, st) in enumerate(zip(seqs, starts, strict=True)):
+            x[i, : len(sq)] = torch.tensor(sq)
+            labels[i, st : len(sq)] = torch.tensor(sq[st:])
+        loss = model(input_ids=x, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(root / "model")
+    final = float(loss.detach())
+    marker.write_text(json.dumps({"version": CODE_BUILD_VERSION, "seed": seed, "final_loss": final}))
+    log.info("embedded code model ready: warm-up loss %.3f", final)
     return root

@@ -85,3 +85,22 @@ def test_ensure_code_task_writes_once(tmp_path):
     assert (root / "train.jsonl").stat().st_mtime_ns == stamp
     assert len(load_rows(str(root / "val.jsonl"))) == 5
     assert not list(root.glob("*.tmp"))
+
+
+def test_tiny_code_model_writes_expressible_programs(tmp_path):
+    """builtin:tiny-code: an ASCII tokenizer that round-trips prompts and programs as vLLM and the trainer
+    load it, and a model that has learned the reply format a little."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from app.code_task import make_code_problems
+    from app.tiny import ensure_builtin_code
+
+    root = ensure_builtin_code(tmp_path, warmup_steps=5)
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    p = make_code_problems(1, 3)[0]
+    for text in (p.prompt, f"```python\n{p.solution}\n```"):
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert len(tok.encode(p.prompt, add_special_tokens=False)) < 400  # fits configs/code.yaml
+    assert json.loads((root / "build.json").read_text())["version"] >= 1

@@ -98,5 +98,7 @@ def test_cli_bad_key_exits_2_with_message():
 
 
 def test_builtin_code_task_needs_a_real_model():
-    with pytest.raises(ConfigError, match="builtin:code needs a real instruction-tuned model.path"):
+    with pytest.raises(ConfigError, match="builtin:code needs a tokenizer that can write programs"):
         load_config(None, ["data.train=builtin:code"])
+    cfg = load_config("code", [])  # the preset: the ASCII tiny model, sandbox rewards on a worker
+    assert cfg.model.path == "builtin:tiny-code" and cfg.reward.workers == 1

@@ -106,3 +106,49 @@ def test_resource_check_names_every_role():
         ResourceError, match=r"7 GPU asked \(rollout 4, train 2, reference 1\) but the cluster has 4"
     ):
         check(cfg, {"CPU": 64, "GPU": 4})
+
+
+async def async_reward(response: str, answer: str) -> dict:
+    await asyncio.sleep(0.01)
+    return {"score": float(response == answer), "judge": 0.25}
+
+
+def test_async_reward_functions_are_awaited():
+    from app.rewards import score
+
+    fn = resolve_reward_fn("tests.test_reward_stage:async_reward")
+    r = score(fn, "7", "7", 5.0, 0.0)
+    assert r.score == 1.0 and r.error is None and r.extras == {"judge": 0.25}
+
+
+def test_resource_shares_resolve_to_per_role_settings():
+    from app.resources import resolve
+
+    cfg = load_config(
+        None,
+        [
+            "rollout.max_replicas=2",
+            "ref.workers=2",
+            "algorithm.kl_coef=0.1",
+            "resources.rollout_gpus=4",
+            "resources.train_gpus=2",
+            "resources.ref_gpus=0.25",
+            "resources.reward_cpus=0.5",
+            "reward.workers=4",
+        ],
+    )
+    got = resolve(cfg, {"CPU": 64, "GPU": 8})
+    assert got == {
+        "rollout.replica_gpus": 2.0,  # 4 GPUs over 2 replicas
+        "ref.worker_gpus": 1.0,  # a quarter of 8 GPUs over 2 workers
+        "reward.worker_cpus": 8.0,  # half of 64 CPUs over 4 workers
+        "train.use_gpu": True,
+        "train.workers": 2,
+    }
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in got.items()]))
+    check(merged, {"CPU": 64, "GPU": 8})  # 4 + 2 + 2 GPUs: fits exactly
+    with pytest.raises(ResourceError, match="whole number"):
+        resolve(load_config(None, ["resources.train_gpus=0.3"]), {"CPU": 8, "GPU": 8})
+    assert resolve(load_config(None, []), {"CPU": 8}) == {}

@@ -85,9 +85,13 @@ def _receiver(port: int, version_q, result_q, mode: str, timeout_s: float) -> No
         time.sleep(timeout_s + 10)
         return
     received: dict[str, torch.Tensor] = {}
-    cks, timing = receive_buckets(
-        plan, group, lambda items: received.update({n: t.clone() for n, t in items})
-    )
+
+    def take(items) -> None:
+        received.update({n: t.clone() for n, t in items})
+        if mode == "die_mid":  # killed in the middle of the push, after its first bucket
+            os._exit(3)
+
+    cks, timing = receive_buckets(plan, group, take)
     result_q.put(
         {
             "version": plan.version,
@@ -137,6 +141,12 @@ def test_push_of_real_model_state_is_bit_exact():
 
 def test_push_to_dead_receiver_fails_fast():
     err, _, _, dt = _push("die", timeout_s=5.0)
+    assert isinstance(err, SyncError) and "v7" in str(err)
+    assert dt < 5.0 + 5
+
+
+def test_receiver_killed_mid_push_fails_within_deadline():
+    err, _, _, dt = _push("die_mid", timeout_s=5.0)
     assert isinstance(err, SyncError) and "v7" in str(err)
     assert dt < 5.0 + 5
 

@@ -135,3 +135,39 @@ def test_cli_run_end_to_end(mode, ray_cluster, cache_dir, tmp_path):
     w0, w1 = load_file(initial / "model.safetensors"), load_file(final / "model.safetensors")
     assert set(w0) == set(w1)
     assert any(not torch.equal(w0[k], w1[k]) for k in w0)  # the weights changed
+
+
+def test_code_task_end_to_end_with_sandbox_rewards(ray_cluster, cache_dir, tmp_path):
+    """builtin:code on the tiny ASCII model: programs run against each problem's tests in the sandbox, on a
+    reward worker, as each trajectory finishes; reward, sub-scores (tests passed, failure kinds) and the
+    error counters reach MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    cmd = train_cmd(
+        ray_cluster,
+        cache_dir,
+        tmp_path,
+        "e2e-code",
+        "model.path=builtin:tiny-code",
+        "data.train=builtin:code",
+        "data.val=builtin:code",
+        "data.max_prompt_tokens=400",
+        "data.val_size=4",
+        "rollout.max_tokens=64",
+        "rollout.max_model_len=512",
+        "reward.workers=1",
+        "train.steps=2",
+        "train.batch_groups=4",
+        "algorithm.val_every=1000",
+    )
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT ") :])
+    assert res["ok"] and res["steps"] == 2
+    client = MlflowClient(res["tracking_uri"])
+    keys = set(client.get_run(res["run_id"]).data.metrics)
+    assert {"reward/mean", "reward/sub/passed", "reward/sub/total"} <= keys, keys
+    assert client.get_metric_history(res["run_id"], "reward/sub/total")[-1].value == 3  # three hidden tests
+    kinds = {"reward/sub/error", "reward/sub/wrong_answer", "reward/sub/timeout", "reward/sub/output_limit"}
+    assert keys & kinds, keys  # how the programs failed, by kind
