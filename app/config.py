@@ -495,6 +495,8 @@ def load_config(config_file: str | None = None, overrides: list[str] | None = No
         except (ConfigKeyError, ValidationError, ConfigTypeError) as e:
             err = _explain(e)
             raise ConfigError(f"{err} (from {source})") from e
+    if cfg.rollout.partial in ("False", "false"):  # YAML reads a bare `off` as false
+        cfg.rollout.partial = "off"
     validate(cfg)
     return cfg
 

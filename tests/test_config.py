@@ -102,3 +102,11 @@ def test_builtin_code_task_needs_a_real_model():
         load_config(None, ["data.train=builtin:code"])
     cfg = load_config("code", [])  # the preset: the ASCII tiny model, sandbox rewards on a worker
     assert cfg.model.path == "builtin:tiny-code" and cfg.reward.workers == 1
+
+
+def test_partial_off_survives_yaml_booleans(tmp_path):
+    """`rollout.partial=off` (and `partial: off` in a YAML file) is the string 'off', not YAML's false."""
+    assert load_config(None, ["rollout.partial=off"]).rollout.partial == "off"
+    f = tmp_path / "c.yaml"
+    f.write_text("rollout:\n  partial: off\n")
+    assert load_config(str(f), []).rollout.partial == "off"
