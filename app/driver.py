@@ -107,6 +107,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     inputs = resolve_inputs(cfg)
     name = cfg.tracking.run_name or time.strftime("relay-%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run_dir).resolve() / name
+    if (run_dir / "ray_train").exists() and not resume:
+        # Ray Train would quietly continue the earlier run's checkpoints under this name
+        raise FileExistsError(
+            f"{run_dir} already holds a run named {name!r}: continue it with `--resume {run_dir}`, or "
+            "give this run another tracking.run_name (or run_dir)"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     uri = cfg.tracking.uri or default_uri(cfg.run_dir)

@@ -6,7 +6,7 @@ Trains the built-in task twice on one local Ray cluster: `sync`, then `fully_asy
 `max_staleness` (default 2) and partial rollouts, with the same number of optimizer steps, groups per step
 and samples per group (so the same number of trained samples). Validation reward (greedy, held-out split)
 is read back from MLflow by the version it measured, plotted against trained samples
-(`runs/bench_async_learning/async_learning.png`), and the end points are printed in a final JSON line;
+(`runs/bench_async_learning/<time>/async_learning.png`), and the end points are printed in a final JSON line;
 `within_0.05` says whether fully_async's final reward is at least sync's minus 0.05.
 """
 
@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,7 +58,7 @@ def main() -> None:
 
     from app import driver
 
-    out = Path(args.out).resolve()
+    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
     out.mkdir(parents=True, exist_ok=True)
     common = [
         f"train.steps={args.steps}",

@@ -18,6 +18,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,7 +59,7 @@ def main() -> None:
 
     from app import driver
 
-    out = Path(args.out).resolve()
+    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "train.jsonl"
     n_prompts = write_prompts(args.cache_dir, data, args.prompts)

@@ -1,6 +1,6 @@
 """Step time with rewards overlapped with generation vs computed after it, one run.
 
-    python bench/reward_overlap.py [--steps 6] [--delay-s 0.5] [--workers 2] [--max-concurrency 8]
+    python bench/reward_overlap.py [--steps 12] [--delay-s 0.5] [--workers 2] [--max-concurrency 8]
 
 Two costly rewards on the built-in task (sync mode, long-tailed response lengths so trajectories finish at
 different times):
@@ -52,11 +52,11 @@ def sandbox_reward(response: str, answer: str) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch-groups", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--lengths", default="pareto:1.2:4")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--lengths", default="pareto:1.2:16")
     ap.add_argument("--delay-s", type=float, default=0.5)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-concurrency", type=int, default=8)
@@ -70,7 +70,7 @@ def main() -> None:
 
     from app import driver
 
-    out = Path(args.out).resolve()
+    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "train.jsonl"
     from app.driver import resolve_inputs
