@@ -63,7 +63,11 @@ def load(learner: Any, path: Path, rank: int) -> dict[str, Any]:
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path / "model"))
     set_state_dict(learner.model, learner.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    extra = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    mine = path / f"rank{rank}.pt"
+    if not mine.exists():  # resumed on more workers than saved it: the shards reshard, RNGs come from rank 0
+        log.warning("%s has no state for rank %d (saved with fewer workers): using rank 0's", path, rank)
+        mine = path / "rank0.pt"
+    extra = torch.load(mine, weights_only=False)
     learner.sched.load_state_dict(extra["sched"])
     torch.set_rng_state(extra["torch_rng"])
     if extra.get("cuda_rng") is not None and torch.cuda.is_available():
