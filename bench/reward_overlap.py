@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import load_config
 from app.rewards import exact_match
+from bench.async_speedup import write_prompts
 
 log = logging.getLogger("bench.reward_overlap")
 
@@ -73,13 +74,7 @@ def main() -> None:
     out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "train.jsonl"
-    from app.driver import resolve_inputs
-
-    rows = resolve_inputs(load_config(None, [f"model.cache_dir={args.cache_dir}"])).train_rows
-    with open(data, "w") as f:
-        for r in rows[: args.steps * args.batch_groups]:
-            f.write(json.dumps({"id": r.uid, "prompt": r.prompt, "answer": r.answer, "data_source": "arith"}))
-            f.write("\n")
+    write_prompts(args.cache_dir, data, args.steps * args.batch_groups)
     common = [
         "algorithm.mode=sync",
         f"data.train={data}",

@@ -130,32 +130,40 @@ def _fsdp_worker(rank: int, port: int, path: str, prompt: list[int], toks: tuple
         dist.destroy_process_group()
 
 
-def test_fsdp2_two_ranks_gloo(tmp_path):
-    path, tok, prompt = _setup(tmp_path)
-    toks = (tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1"), tok.eos_token_id)
+def _two_ranks(target, *args) -> list:
+    """Run `target(rank, port, *args, queue)` in two spawned processes (one gloo group); each puts one
+    result tuple starting with its rank. Returns them sorted by rank; fails on a crash or after 180 s."""
+    import time
+
     from app.sync import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, port, path, prompt, toks, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, q)) for r in range(2)]
     for p in procs:
         p.start()
     results = []
     try:
-        deadline = __import__("time").monotonic() + 180
-        while len(results) < 2 and __import__("time").monotonic() < deadline:
+        deadline = time.monotonic() + 180
+        while len(results) < 2 and time.monotonic() < deadline:
             try:
                 results.append(q.get(timeout=1))
             except Exception:
-                assert all(p.is_alive() or p.exitcode == 0 for p in procs), "an FSDP worker crashed"
-        assert len(results) == 2, "FSDP workers did not finish within 180s"
-        results.sort(key=lambda r: r[0])
+                assert all(p.is_alive() or p.exitcode == 0 for p in procs), "a worker process crashed"
+        assert len(results) == 2, "the two worker processes did not finish within 180s"
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+    return sorted(results, key=lambda r: r[0])
+
+
+def test_fsdp2_two_ranks_gloo(tmp_path):
+    path, tok, prompt = _setup(tmp_path)
+    toks = (tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1"), tok.eos_token_id)
+    results = _two_ranks(_fsdp_worker, path, prompt, toks)
     (_, b0, a0, m0, full0), (_, b1, a1, m1, full1) = results
     assert a0 > b0 + 0.1 and a0 == pytest.approx(a1)  # both ranks see the same updated model
     assert m0["loss/kl"] > 0 and m0 == m1  # metrics are all-reduced
@@ -217,29 +225,7 @@ def _ckpt_worker(rank: int, port: int, path: str, prompt: list[int], toks, root:
 def test_checkpoint_roundtrip_two_ranks(tmp_path):
     path, tok, prompt = _setup(tmp_path)
     toks = (tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1"), tok.eos_token_id)
-    from app.sync import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    args = (path, prompt, toks, str(tmp_path / "ckpt"), q)
-    procs = [ctx.Process(target=_ckpt_worker, args=(r, port, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        deadline = __import__("time").monotonic() + 180
-        while len(results) < 2 and __import__("time").monotonic() < deadline:
-            try:
-                results.append(q.get(timeout=1))
-            except Exception:
-                assert all(p.is_alive() or p.exitcode == 0 for p in procs), "a worker crashed"
-        assert len(results) == 2, "checkpoint workers did not finish within 180s"
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = _two_ranks(_ckpt_worker, path, prompt, toks, str(tmp_path / "ckpt"))
     for _rank, step, pipeline, a, b, la, lb in results:
         assert step == 2 and pipeline == {"ready": []}
         assert a["actor/lr"] == b["actor/lr"] == pytest.approx(0.01 * 4 / 5)  # scheduler restored
