@@ -183,8 +183,12 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
     res = json.loads(line)
     assert not res["ok"] and "no training step completed" in res["error"], res
     rep = json.loads(report.read_text())
-    assert rep["trainer"]["phase"].startswith("waiting for"), rep  # what the trainer waited for
-    assert rep["rollouter"]["generating"] > 0 and rep["rollouter"]["queued"] == 0, rep  # requests stuck
+    # what the trainer waited for: a batch from the stopped replica, or its acknowledgement of a push
+    phase = rep["trainer"]["phase"]
+    assert phase.startswith(("waiting for", "pushing version")), rep
+    if phase.startswith("waiting for"):
+        assert rep["rollouter"]["generating"] > 0 and rep["rollouter"]["queued"] == 0, rep  # stuck requests
+    assert isinstance(rep["rollouter"], dict) and rep["rollouter"]["replica_version"] >= 0, rep
     assert rep["replicas"] and rep["last_push"]["version"] >= 1, rep
     assert 20 <= detected_s < 60, detected_s
     print(f"\nwatchdog: stall detected {detected_s:.1f}s after the replica stopped (deadline 20s)")
