@@ -190,5 +190,5 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
         assert rep["rollouter"]["generating"] > 0 and rep["rollouter"]["queued"] == 0, rep  # stuck requests
     assert isinstance(rep["rollouter"], dict) and rep["rollouter"]["replica_version"] >= 0, rep
     assert rep["replicas"] and rep["last_push"]["version"] >= 1, rep
-    assert 20 <= detected_s < 60, detected_s
+    assert detected_s < 60, detected_s  # the deadline runs from the last completed step, before the stop
     print(f"\nwatchdog: stall detected {detected_s:.1f}s after the replica stopped (deadline 20s)")
