@@ -63,6 +63,7 @@ def test_killed_replica_loses_nothing(ray_cluster, cache_dir, tmp_path):
         victim = ray.get_actor(victims[0].name, namespace=victims[0].ray_namespace)
         killed_at_version = st["version"]
         killed_at = time.time()
+        victim_id = victims[0].name.rsplit("#", 1)[-1]  # SERVE_REPLICA::<app>#<deployment>#<replica id>
         ray.kill(victim, no_restart=True)  # Serve notices and starts a replacement
         out, _ = proc.communicate(timeout=900)
     finally:
@@ -77,8 +78,9 @@ def test_killed_replica_loses_nothing(ray_cluster, cache_dir, tmp_path):
     trained = [json.loads(x) for x in (tmp_path / NAME / "trained_groups.jsonl").read_text().splitlines()]
     assert Counter(t["uid"] for t in trained) == Counter(uids)  # nothing lost, nothing trained twice
     members = json.loads((tmp_path / NAME / "rollout_members.json").read_text())["members"]
-    dropped = [m for m in members.values() if m["dropped"]]
-    assert len(dropped) == 1  # the killed replica, found by the failed push and left out of the group
+    # the killed replica was found by the failed push and left out of the group (a survivor whose receive
+    # failed in the same broken broadcast may be dropped too: it registers again and rejoins)
+    assert members[victim_id]["dropped"] and not members[victim_id]["alive"], members[victim_id]
     replacements = [m for m in members.values() if m["registered_at"] > killed_at]  # (not the survivor)
     for m in replacements:  # a replacement serves only once it holds the version current at that moment
         if m["first_served"]:
