@@ -115,6 +115,23 @@ def model_config(vocab_size: int, max_positions: int = 256):
     )
 
 
+def _sft_step(model, opt, seqs: list[list[int]], starts: list[int], pad_id: int):
+    """One supervised step on right-padded sequences, the loss on tokens from `starts` on; returns it."""
+    import torch
+
+    width = max(map(len, seqs))
+    x = torch.full((len(seqs), width), pad_id)
+    labels = torch.full((len(seqs), width), -100)
+    for i, (sq, st) in enumerate(zip(seqs, starts, strict=True)):
+        x[i, : len(sq)] = torch.tensor(sq)
+        labels[i, st : len(sq)] = torch.tensor(sq[st:])
+    loss = model(input_ids=x, labels=labels).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def _warmup(model, tok, train: list[Problem], steps: int, seed: int) -> None:
     """Supervised format warm-up: answer with a random digit of the prompt, then EOS."""
     import torch
@@ -131,16 +148,7 @@ def _warmup(model, tok, train: list[Problem], steps: int, seed: int) -> None:
             ids = tok.encode(p.prompt, add_special_tokens=False)
             prompt_lens.append(len(ids))
             seqs.append([*ids, *tok.encode(g.choice(digits), add_special_tokens=False), eos])
-        width = max(map(len, seqs))
-        x = torch.full((len(seqs), width), tok.pad_token_id)
-        labels = torch.full((len(seqs), width), -100)
-        for i, (s, pl) in enumerate(zip(seqs, prompt_lens, strict=True)):
-            x[i, : len(s)] = torch.tensor(s)
-            labels[i, pl : len(s)] = torch.tensor(s[pl:])
-        loss = model(input_ids=x, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        _sft_step(model, opt, seqs, prompt_lens, tok.pad_token_id)
     model.eval()
 
 
@@ -235,16 +243,7 @@ def ensure_builtin_code(cache_dir: str | Path, seed: int = 0, warmup_steps: int 
             reply = tok.encode(f"```python\n{p.solution.strip()}\n```", add_special_tokens=False)
             seqs.append([*ids, *reply, tok.eos_token_id][:CODE_MAX_POSITIONS])
             starts.append(len(ids))
-        width = max(map(len, seqs))
-        x = torch.full((len(seqs), width), tok.pad_token_id)
-        labels = torch.full((len(seqs), width), -100)
-        for i, (sq, st) in enumerate(zip(seqs, starts, strict=True)):
-            x[i, : len(sq)] = torch.tensor(sq)
-            labels[i, st : len(sq)] = torch.tensor(sq[st:])
-        loss = model(input_ids=x, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = _sft_step(model, opt, seqs, starts, tok.pad_token_id)
     model.eval()
     model.save_pretrained(tmp, safe_serialization=True)
     tmp.rename(root / "model")
