@@ -19,8 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app import vllm_adapter as vla
+from app.vllm import engine as vla
 from app.config import load_config
+from app.records import GenerateRequest
+from app.resources import memory_share
 
 log = logging.getLogger("bench.rollout_overhead")
 
@@ -75,9 +77,9 @@ async def run_serve(handle, reqs: list[dict], rounds: int) -> list[float]:
     rates = []
     for r in range(rounds + 1):
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*[handle.generate.remote(q) for q in reqs])
+        outs = await asyncio.gather(*[handle.generate.remote(GenerateRequest(**q)) for q in reqs])
         dt = time.perf_counter() - t0
-        toks = sum(len(s["token_ids"]) for o in outs for s in o["samples"])
+        toks = sum(len(s.token_ids) for o in outs for s in o.samples)
         if r > 0:
             rates.append(toks / dt)
     return rates
@@ -89,10 +91,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gpu", action="store_true", help="vLLM on the GPU (configs/gpu1.yaml's replica share)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = load_config(None, ["ray.name=bench", "rollout.max_model_len=256"])
-    os.environ.update(vla.cpu_env(cfg.rollout.kv_cache_gib))
+    cfg = load_config("gpu1" if args.gpu else None, ["ray.name=bench", "rollout.max_model_len=256"])
+    if not args.gpu:
+        os.environ.update(vla.cpu_env(cfg.rollout.kv_cache_gib))
     from transformers import AutoTokenizer
 
     from app.driver import resolve_inputs
@@ -106,9 +110,9 @@ def main() -> None:
         dtype=cfg.model.dtype,
         max_model_len=r.max_model_len,
         max_num_seqs=r.max_num_seqs,
-        gpu_memory_utilization=r.gpu_memory_utilization,
+        gpu_memory_utilization=memory_share(r),
         seed=cfg.seed,
-        use_gpu=False,
+        use_gpu=args.gpu,
     )
     raw = asyncio.run(run_raw(inputs.model_path, engine_kw, reqs, args.rounds))
     log.info("raw AsyncLLM: %s tokens/s", [round(x) for x in raw])
@@ -119,7 +123,13 @@ def main() -> None:
     from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
     from app.sync import WeightHub
 
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=16,
+        num_gpus=1 if args.gpu else 0,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         hub = ray.remote(WeightHub).options(name=hub_name("bench"), namespace=NAMESPACE, num_cpus=0).remote()
         ray.get(hub.status.remote())

@@ -1,4 +1,4 @@
-"""Weight-push bandwidth: app/sync.py's bucketed, checksummed push against a raw broadcast of the same bytes.
+"""Weight-push bandwidth: app/sync's bucketed, checksummed push against a raw broadcast of the same bytes.
 
 Two processes: a sender (GPU0) walks a plan of Qwen2-shaped bf16 tensors with `send_buckets` (a no-op gather:
 the tensors already sit on the sender), a receiver (GPU1) runs `receive_buckets` and copies every tensor into
@@ -7,8 +7,8 @@ bytes goes through a single raw broadcast. A push's time runs from the sender's 
 load, both read from the host's monotonic clock after a barrier; warm-up repetitions are dropped, the median
 of the rest is reported.
 
-Variants (each on both processes): `current` (app/sync.py as it is), `nockpt` (checksums replaced by a no-op:
-what verification costs), `legacy` (the checksum and NCCL wait of app/sync.py before the GPU tier, inside
+Variants (each on both processes): `current` (app/sync as it is), `nockpt` (checksums replaced by a no-op:
+what verification costs), `legacy` (the checksum and NCCL wait of app/sync before the GPU tier, inside
 today's walk: int32 words widened to int64 with a materialised weight ramp and two device syncs per bucket,
 and `work.wait(timeout)`, which polls with 1 ms sleeps). `--trace SIZE` profiles one push of that size.
 
@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from app import sync  # noqa: E402
+from app.sync import broadcast as sync_walk  # noqa: E402  (where the push walk looks up the checksum)
 
 # Qwen2.5 shapes: hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
 QWEN2_SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
@@ -75,7 +76,7 @@ def qwen2_specs(size: str) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-# ---------------------------------------------------------------- app/sync.py before the GPU tier (for `legacy`)
+# ---------------------------------------------------------------- app/sync before the GPU tier (for `legacy`)
 
 
 def legacy_checksum(flat: torch.Tensor) -> str:
@@ -102,17 +103,17 @@ def legacy_wait(self: sync.StatelessGroup, work: Any) -> None:
 
 @contextlib.contextmanager
 def variant(name: str, dev: torch.device):
-    saved = sync._checksum_sums, sync.StatelessGroup.wait
+    saved = sync_walk._checksum_sums, sync.StatelessGroup.wait
     zeros = torch.zeros(3, dtype=torch.int64, device=dev)
     try:
         if name == "nockpt":
-            sync._checksum_sums = lambda flat: zeros
+            sync_walk._checksum_sums = lambda flat: zeros
         elif name == "legacy":
-            sync._checksum_sums = legacy_sums
+            sync_walk._checksum_sums = legacy_sums
             sync.StatelessGroup.wait = legacy_wait  # type: ignore[method-assign]
         yield
     finally:
-        sync._checksum_sums, sync.StatelessGroup.wait = saved  # type: ignore[method-assign]
+        sync_walk._checksum_sums, sync.StatelessGroup.wait = saved  # type: ignore[method-assign]
 
 
 def profile_table(prof: Any, rows: int = 14) -> str:
@@ -237,7 +238,7 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
                     sync.pack_into(b, tensors, buf)
                     sync_dev(dev)
                     t1 = now()
-                    sync._checksum_sums(buf)
+                    sync_walk._checksum_sums(buf)
                     sync_dev(dev)
                     t2 = now()
                     legacy_checksum(buf)

@@ -10,15 +10,23 @@ import torch
 
 from app import tiny
 from app.sync import (
-    StatelessGroup,
+    Abort,
+    Ack,
+    Acks,
+    GroupInfo,
+    Idle,
+    Join,
+    Leave,
+    Push,
+    RunControl,
     SyncError,
+    Unknown,
     WeightHub,
     check_acks,
     checksum,
     free_port,
+    make_transport,
     plan_buckets,
-    receive_buckets,
-    send_buckets,
     unpack,
 )
 
@@ -75,10 +83,27 @@ def test_pack_unpack_roundtrip():
 # ------------------------------------------------------------------ two processes over gloo
 
 
-def _receiver(port: int, version_q, result_q, mode: str, timeout_s: float) -> None:
+def _group(port: int, timeout_s: float, transport: str) -> GroupInfo:
+    return GroupInfo(
+        epoch=0,
+        host="127.0.0.1",
+        port=port,
+        world=2,
+        backend="gloo",
+        timeout_s=timeout_s,
+        ranks={"r": 1},
+        transport=transport,
+    )
+
+
+def _receiver(port: int, version_q, result_q, mode: str, timeout_s: float, transport: str) -> None:
+    """A stand-in for one vLLM worker: joins through the named transport (built from the registry in this
+    fresh process, as a vLLM worker does) and receives one push."""
     torch.set_num_threads(1)
-    group = StatelessGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s)
-    plan = version_q.get(timeout=30)
+    receiver = make_transport(transport)
+    result_q.put("ready")  # imports done: the join below starts within the group's timeout of the sender's
+    receiver.join(_group(port, timeout_s, transport), 1, "cpu")
+    plan = version_q.get(timeout=120)
     if mode == "die":
         os._exit(3)
     if mode == "stall":
@@ -91,25 +116,34 @@ def _receiver(port: int, version_q, result_q, mode: str, timeout_s: float) -> No
         if mode == "die_mid":  # killed in the middle of the push, after its first bucket
             os._exit(3)
 
-    cks, timing = receive_buckets(plan, group, take)
+    cks, timing = receiver.receive(plan, take, "cpu")
     result_q.put(
         {
             "version": plan.version,
             "checksums": cks,
             "per_tensor": {n: checksum(t) for n, t in received.items()},
+            "transport": type(receiver).__name__,
+            "transport_stats": dict(getattr(receiver, "stats", {})),
         }
     )
-    group.close()
+    receiver.close()
 
 
-def _push(mode: str, timeout_s: float = 5.0):
+def _push(mode: str, timeout_s: float = 5.0, transport: str = "broadcast", sender_out: dict | None = None):
+    """Push a real model's state from this process through `transport` to a receiver process."""
     ctx = mp.get_context("spawn")
     version_q, result_q = ctx.Queue(), ctx.Queue()
     port = free_port()
-    proc = ctx.Process(target=_receiver, args=(port, version_q, result_q, mode, timeout_s), daemon=True)
+    proc = ctx.Process(
+        target=_receiver, args=(port, version_q, result_q, mode, timeout_s, transport), daemon=True
+    )
     proc.start()
     try:
-        group = StatelessGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s)
+        assert result_q.get(timeout=120) == "ready"  # a loaded machine can take seconds to spawn
+        sender = make_transport(transport)
+        if sender_out is not None:
+            sender_out["sender"] = sender
+        sender.open(_group(port, timeout_s, transport), "cpu")
         state = _state(1)
         plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in state.items()], 2**18, version=7)
         assert len(plan.buckets) > 1
@@ -118,12 +152,12 @@ def _push(mode: str, timeout_s: float = 5.0):
             proc.join(30)  # the receiver is gone before the broadcast
         t0 = time.monotonic()
         try:
-            stats = send_buckets(plan, lambda names: [state[n] for n in names], group)
-            return stats, state, result_q.get(timeout=30), time.monotonic() - t0
+            stats = sender.send(plan, lambda names: [state[n] for n in names], "cpu")
+            return stats, state, result_q.get(timeout=120), time.monotonic() - t0
         except SyncError as e:
             return e, state, None, time.monotonic() - t0
         finally:
-            group.close()
+            sender.close()
     finally:
         proc.join(timeout_s + 15)
         if proc.is_alive():
@@ -159,6 +193,12 @@ def test_push_to_stuck_receiver_fails_within_deadline():
 
 # ------------------------------------------------------------------ the control plane
 
+OK = Ack(ok=True)
+
+
+def _plan(version: int):
+    return plan_buckets([("w", (2,), torch.float32)], 1024, version)
+
 
 def test_hub_join_push_ack_cycle():
     async def scenario():
@@ -167,54 +207,58 @@ def test_hub_join_push_ack_cycle():
         await hub.register("r2")
         assert hub.membership_changed()
         g = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0)
-        assert g.world == 3 and sorted(g.ranks.values()) == [1, 2]
+        assert g.world == 3 and sorted(g.ranks.values()) == [1, 2] and g.transport == "broadcast"
         ins = await hub.next_instruction("r1", -1, -1, 0.1)
-        assert ins["kind"] == "join" and ins["rank"] == g.ranks["r1"]
-        await hub.ack("r1", "join", g.epoch, True, {})
+        assert isinstance(ins, Join) and ins.rank == g.ranks["r1"] and ins.group == g
+        await hub.ack("r1", "join", g.epoch, OK)
         acks = await hub.wait_acks("join", g.epoch, 0.2)
-        assert acks["__missing__"]["ids"] == ["r2"]
-        await hub.ack("r2", "join", g.epoch, True, {})
-        plan = plan_buckets([("w", (2,), torch.float32)], 1024, 1)
+        assert isinstance(acks, Acks) and acks.missing == ["r2"] and not acks.complete
+        await hub.ack("r2", "join", g.epoch, OK)
         # a replica long-polling is woken by the announcement
         waiter = asyncio.create_task(hub.next_instruction("r1", g.epoch, 0, 5.0))
         await asyncio.sleep(0.05)
-        await hub.announce(plan)
-        assert (await waiter)["kind"] == "push"
-        await hub.ack("r1", "push", 1, True, {"checksums": ["x"]})
-        await hub.ack("r2", "push", 1, True, {"checksums": ["y"]})
+        await hub.announce(_plan(1))
+        ins = await waiter
+        assert isinstance(ins, Push) and ins.plan.version == 1
+        await hub.ack("r1", "push", 1, Ack(ok=True, checksums=["x"]))
+        await hub.ack("r2", "push", 1, Ack(ok=True, checksums=["y"]))
         acks = await hub.wait_acks("push", 1, 1.0)
+        assert acks.missing == [] and acks.complete
         with pytest.raises(SyncError, match="replica r2 loaded different bytes"):
-            check_acks(acks, "push", 1, ["x"], 1.0)
+            check_acks(acks, ["x"], 1.0)
         await hub.drop(["r2"])
         assert hub.membership_changed() and hub.alive_ids() == ["r1"]
-        assert (await hub.next_instruction("r2", g.epoch, 1, 0.1))["kind"] == "unknown"
+        assert isinstance(await hub.next_instruction("r2", g.epoch, 1, 0.1), Unknown)
 
     asyncio.run(scenario())
 
 
 def test_check_acks_names_missing_and_failed_replicas():
-    acks = {
-        "__missing__": {"ids": ["dead-1"]},
-        "ok-1": {"ok": True, "checksums": ["a"]},
-        "bad-1": {"ok": False, "error": "boom"},
-    }
+    acks = Acks(
+        kind="push",
+        key=4,
+        got={"ok-1": Ack(ok=True, checksums=["a"]), "bad-1": Ack(ok=False, error="boom")},
+        missing=["dead-1"],
+    )
+    assert acks.failed == ["bad-1"] and not acks.complete
     with pytest.raises(SyncError) as e:
-        check_acks(acks, "push", 4, ["a"], 30)
+        check_acks(acks, ["a"], 30)
     assert "dead-1 did not acknowledge push 4 within 30s" in str(e.value)
     assert "bad-1 failed push 4: boom" in str(e.value)
+    assert acks.as_dict()["acks"]["ok-1"] == {"ok": True, "checksums": ["a"]}
 
 
 def test_hub_version_gated_join_and_clean_leave():
     """A replica that registers mid-run must wait for the current version; one that leaves still gets the
-    push already announced to its epoch, then 'leave', and is out of the next epoch."""
+    push already announced to its epoch, then `Leave`, and is out of the next epoch."""
 
     async def scenario():
         hub = WeightHub()
         assert await hub.register("r1", 1, started_at=100.0) == -1  # run start: nothing pushed yet
         g = await hub.open_epoch("127.0.0.1", 1, "gloo", 5.0)
-        await hub.ack("r1", "join", g.epoch, True, {})
-        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 0))
-        await hub.ack("r1", "push", 0, True, {})
+        await hub.ack("r1", "join", g.epoch, OK)
+        await hub.announce(_plan(0))
+        await hub.ack("r1", "push", 0, OK)
         await hub.wait_acks("push", 0, 0.1)
         assert hub.version == 0 and hub.members["r1"].join_s is not None
         # a second replica starts mid-run: it must hold version >= 0 before serving
@@ -222,79 +266,97 @@ def test_hub_version_gated_join_and_clean_leave():
         assert hub.membership_changed()
         g2 = await hub.open_epoch("127.0.0.1", 2, "gloo", 5.0)
         assert set(g2.ranks) == {"r1", "r2"}
-        assert (await hub.next_instruction("r2", -1, -1, 0.1))["kind"] == "join"
+        assert isinstance(await hub.next_instruction("r2", -1, -1, 0.1), Join)
         for r in ("r1", "r2"):
-            await hub.ack(r, "join", g2.epoch, True, {})
-        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 1))
-        await hub.ack("r1", "push", 1, True, {})
-        await hub.ack("r2", "push", 1, True, {})
+            await hub.ack(r, "join", g2.epoch, OK)
+        await hub.announce(_plan(1))
+        await hub.ack("r1", "push", 1, OK)
+        await hub.ack("r2", "push", 1, OK)
         acks = await hub.wait_acks("push", 1, 0.1)
-        assert "join_s" in acks["r2"] and acks["r2"]["join_s"] >= 3.0 and "join_s" not in acks["r1"]
+        assert acks.got["r2"].detail["join_s"] >= 3.0 and "join_s" not in acks.got["r1"].detail
         await hub.served("r2", 1)
         assert hub.members["r2"].first_served == {"version": 1, "hub_version": 1}
         # r2 leaves while version 2 is announced to its epoch: it still receives 2, then is told to leave
-        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 2))
+        await hub.announce(_plan(2))
         await hub.leave("r2")
-        assert (await hub.next_instruction("r2", g2.epoch, 1, 0.1))["kind"] == "push"
-        await hub.ack("r2", "push", 2, True, {})
-        assert (await hub.next_instruction("r2", g2.epoch, 2, 0.1))["kind"] == "leave"
+        assert isinstance(await hub.next_instruction("r2", g2.epoch, 1, 0.1), Push)
+        await hub.ack("r2", "push", 2, OK)
+        assert isinstance(await hub.next_instruction("r2", g2.epoch, 2, 0.1), Leave)
         assert hub.membership_changed() and hub.alive_ids() == ["r1"]
-        await hub.ack(
-            "r1", "push", 2, True, {}
-        )  # r1 got version 2 in epoch g2 (the broadcast failed elsewhere)
+        await hub.ack("r1", "push", 2, OK)  # r1 got version 2 in epoch g2 (the broadcast failed elsewhere)
         g3 = await hub.open_epoch("127.0.0.1", 3, "gloo", 5.0)
         assert set(g3.ranks) == {"r1"}  # the next push does not wait on the replica that is gone
         # a push retried in a new epoch reaches a replica that already holds that version (it must take
         # part in the broadcast again), but only once per epoch
-        await hub.ack("r1", "join", g3.epoch, True, {})
-        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 2))
-        assert (await hub.next_instruction("r1", g3.epoch, 2, 0.1))["kind"] == "push"
-        await hub.ack("r1", "push", 2, True, {})
-        assert (await hub.next_instruction("r1", g3.epoch, 2, 0.1))["kind"] == "idle"
+        await hub.ack("r1", "join", g3.epoch, OK)
+        await hub.announce(_plan(2))
+        assert isinstance(await hub.next_instruction("r1", g3.epoch, 2, 0.1), Push)
+        await hub.ack("r1", "push", 2, OK)
+        assert isinstance(await hub.next_instruction("r1", g3.epoch, 2, 0.1), Idle)
         st = await hub.status()
         assert st["members"]["r2"]["leaving"] and st["members"]["r2"]["pushes"] == 2
 
     asyncio.run(scenario())
 
 
-def test_hub_rollback_and_abort_instructions():
+def test_hub_rollback_after_a_restore():
     """After a trainer restores an older checkpoint its push of that version reaches replicas that hold a
-    newer one; `abort_inflight` reaches every live replica once and waits for their answers."""
+    newer one."""
 
     async def scenario():
         hub = WeightHub()
         await hub.register("r1")
         g = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0)
-        await hub.ack("r1", "join", g.epoch, True, {})
-        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 5))
-        await hub.ack("r1", "push", 5, True, {"checksums": ["x"]})
+        await hub.ack("r1", "join", g.epoch, OK)
+        await hub.announce(_plan(5))
+        await hub.ack("r1", "push", 5, Ack(ok=True, checksums=["x"]))
         await hub.wait_acks("push", 5, 1.0)
         assert hub.version == 5
-        assert (await hub.next_instruction("r1", g.epoch, 5, 0.05))["kind"] == "idle"
+        assert isinstance(await hub.next_instruction("r1", g.epoch, 5, 0.05), Idle)
         # the trainer died and restored version 3: a new epoch, then a push of 3
         g2 = await hub.open_epoch("127.0.0.1", 1235, "gloo", 5.0)
-        assert (await hub.next_instruction("r1", g.epoch, 5, 0.05))["kind"] == "join"
-        await hub.ack("r1", "join", g2.epoch, True, {})
-        await hub.announce(plan_buckets([("w", (2,), torch.float32)], 1024, 3))
+        assert isinstance(await hub.next_instruction("r1", g.epoch, 5, 0.05), Join)
+        await hub.ack("r1", "join", g2.epoch, OK)
+        await hub.announce(_plan(3))
         assert hub.version == 2  # rolled back: acks of 3 make it current again
         ins = await hub.next_instruction("r1", g2.epoch, 5, 0.05)
-        assert ins["kind"] == "push" and ins["plan"].version == 3
-        await hub.ack("r1", "push", 3, True, {"checksums": ["x"]})
+        assert isinstance(ins, Push) and ins.plan.version == 3
+        await hub.ack("r1", "push", 3, Ack(ok=True, checksums=["x"]))
         await hub.wait_acks("push", 3, 1.0)
         assert hub.version == 3
-        assert (await hub.next_instruction("r1", g2.epoch, 3, 0.05))["kind"] == "idle"
-        # abort: every live replica is told once
+        assert isinstance(await hub.next_instruction("r1", g2.epoch, 3, 0.05), Idle)
+
+    asyncio.run(scenario())
+
+
+def test_run_control_stop_heartbeat_and_abort():
+    """`abort_inflight` reaches every replica that polls, once, and waits for their answers; one that
+    detached is not waited for. The hub forwards the run-control calls (until every caller switched)."""
+
+    async def scenario():
+        control = RunControl()
+        hub = WeightHub(control)
+        assert isinstance(await control.next_control("r1", await control.abort_count(), 0.01), Idle)
+        assert isinstance(await control.next_control("r2", 0, 0.01), Idle)
+        await control.detach("r2")
         seen = await hub.abort_count()
         task = asyncio.create_task(hub.abort_inflight(2.0))
-        await asyncio.sleep(0.05)
-        ins = await hub.next_instruction("r1", g2.epoch, 3, 0.05, seen)
-        assert ins["kind"] == "abort"
-        await hub.ack("r1", "abort", ins["seq"], True, {})
+        ins = await control.next_control("r1", seen, 1.0)
+        assert isinstance(ins, Abort)
+        await control.ack("r1", ins.seq, OK)
         acks = await task
-        assert acks["__missing__"]["ids"] == [] and acks["r1"]["ok"]
-        assert (await hub.next_instruction("r1", g2.epoch, 3, 0.05, ins["seq"]))["kind"] == "idle"
+        assert acks["missing"] == [] and acks["acks"]["r1"]["ok"] and "r2" not in acks["acks"]
+        assert isinstance(await control.next_control("r1", ins.seq, 0.05), Idle)
+        # a replica that polled but never answers is reported missing at the deadline
+        await control.next_control("r3", ins.seq, 0.01)
+        t0 = time.monotonic()
+        acks = await control.abort_inflight(0.3)
+        assert acks["missing"] == ["r1", "r3"] and time.monotonic() - t0 < 2.0
         await hub.beat({"phase": "training step 4"})
+        await hub.request_stop("signal SIGTERM")
+        await control.request_stop("a second reason is ignored")
+        assert await hub.stop_reason() == "signal SIGTERM"
         st = await hub.status()
-        assert st["trainer"]["phase"] == "training step 4" and st["last_push"]["version"] == 3
+        assert st["trainer"]["phase"] == "training step 4" and st["stop"] == "signal SIGTERM"
 
     asyncio.run(scenario())

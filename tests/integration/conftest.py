@@ -176,17 +176,17 @@ def rollout_stack(ray_cluster, cache_dir):
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
     from app.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
-    from app.sync import WeightHub
+    from app.serve_rollout import NAMESPACE, app_name, build_app
+    from app.sync.actors import start_sync_actors
 
     cfg = load_config("quick", ["ray.name=it", f"model.cache_dir={cache_dir}", "sync.timeout_s=30"])
     inputs = resolve_inputs(cfg)
-    hub = ray.remote(WeightHub).options(name=hub_name("it"), namespace=NAMESPACE, num_cpus=0).remote()
+    hub, _control = start_sync_actors("it")  # the weight hub and the run control, as the driver makes them
     handle = serve.run(build_app(cfg, inputs.model_path), name=app_name("it"), route_prefix=None)
     rollouter = (
         ray.remote(Rollouter)
         .options(name=rollouter_name("it"), namespace=NAMESPACE, num_cpus=0, max_concurrency=64)
-        .remote(to_container(cfg), inputs.model_path, inputs.train_rows, inputs.val_rows)
+        .remote(to_container(cfg), inputs.model_path, inputs.train, inputs.val)
     )
     ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
     info = handle.info.remote().result(timeout_s=60)

@@ -1,0 +1,43 @@
+"""Every private, experimental or unstable Ray API Relay uses, in one place (pinned: Ray 2.60).
+
+A Ray upgrade that moves one of these is fixed here alone. Each function names what it wraps:
+
+    progress_bar              ray.experimental.tqdm_ray.tqdm (experimental): a progress bar that Ray
+                              relays from a worker to the driver's terminal without garbling it
+    validate_cluster_config   ray.autoscaler._private.util.fillout_defaults / validate_config (private):
+                              what `ray up` checks in a cluster YAML
+    replica_id                ray.serve.get_replica_context().replica_id.unique_id (beta API; the
+                              `ReplicaID.unique_id` attribute is not documented)
+
+Nothing else in app/ may import `ray._private`, `ray.experimental`, `ray.llm._internal`, `ray.serve._private`
+or any other `_internal`/`_private` Ray module. Ray is imported inside each function: importing this module
+costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def progress_bar(total: int, desc: str) -> Any:
+    """A tqdm-like bar (`update(n)`, `close()`) that Ray draws on the driver from inside a worker."""
+    from ray.experimental.tqdm_ray import tqdm
+
+    return tqdm(total=total, desc=desc)
+
+
+def validate_cluster_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fill in Ray's defaults and validate a cluster YAML (as a dict) as `ray up` would; returns the filled
+    config, raises on an invalid one."""
+    from ray.autoscaler._private.util import fillout_defaults, validate_config
+
+    filled = fillout_defaults(cfg)
+    validate_config(filled)
+    return filled
+
+
+def replica_id() -> str:
+    """This Serve replica's unique id (call inside a replica)."""
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id

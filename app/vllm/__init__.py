@@ -1,0 +1,10 @@
+"""Every vLLM internal Relay touches, in one package. Detects features, not versions; fails closed.
+
+    engine.py   the engine adapter: build an AsyncLLM, sample token-in/token-out, pause/resume around a
+                weight load, set the weight version, RPC to the workers. `check_capabilities` refuses an
+                engine that lacks what the config needs (e.g. pausing generation for a weight load)
+    worker.py   the worker extension vLLM mixes into each worker process (`worker_extension_cls`): join
+                the weight group and load pushed buckets through app/sync's transport
+
+Nothing here is imported by app/ at module import time outside the rollout replica: vLLM is a heavy import.
+"""

@@ -1,0 +1,333 @@
+"""The engine adapter: the one place that talks to vLLM's engine. Detects features, not versions.
+
+Everything else in Relay calls these functions; a vLLM upgrade that moves an API is fixed here. An engine
+that lacks a capability the run needs does not start (`check_capabilities`): a missing `pause_generation`
+would otherwise load weights in the middle of generation, silently mixing two policies in one sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import uuid
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "app.vllm.worker.RelayWorkerExtension"  # a dotted path: vLLM imports it in each worker
+
+
+class EngineCapabilityError(RuntimeError):
+    """The vLLM engine lacks something the configuration needs; the message names it and the fix."""
+
+
+PAUSE_MODES = {"keep": "keep", "resubmit": "abort", "off": "wait"}  # rollout.partial -> vLLM pause mode
+
+
+def _capabilities(engine_cls: type) -> dict[str, bool]:
+    pause = getattr(engine_cls, "pause_generation", None)
+    try:
+        pause_modes = pause is not None and "mode" in inspect.signature(pause).parameters
+    except (TypeError, ValueError):
+        pause_modes = False
+    return {
+        "collective_rpc": hasattr(engine_cls, "collective_rpc"),
+        "pause_generation": pause is not None and hasattr(engine_cls, "resume_generation"),
+        "pause_generation(mode=...)": pause_modes,
+        # native spans (0.29+), or boundaries the adapter records at each keep-mode pause (0.26: `_Book`)
+        "update_weight_version": hasattr(engine_cls, "update_weight_version") or _bookable(engine_cls),
+    }
+
+
+def _bookable(engine_cls: type) -> bool:
+    """The engine's output processor tracks per-request states we can read at a pause (vLLM 0.26-0.28)."""
+    try:
+        from vllm.v1.engine.output_processor import RequestState
+    except ImportError:
+        return False
+    return engine_cls.__name__ == "AsyncLLM" and RequestState is not None
+
+
+def check_capabilities(engine_cls: type, partial: str) -> None:
+    """Refuse an engine class that cannot run this configuration; the error names the capability and fix.
+
+    Every run needs `collective_rpc` (weights load in the workers) and `pause_generation`/`resume_generation`
+    with a pause mode (a weight load must never happen mid-generation). `rollout.partial=keep` continues
+    requests across a load, so their tokens need per-token versions: `update_weight_version` (whose spans
+    label each token with the version that sampled it).
+    """
+    if partial not in PAUSE_MODES:
+        raise ValueError(f"rollout.partial={partial!r}: use one of {sorted(PAUSE_MODES)}")
+    have = _capabilities(engine_cls)
+    fixes = {
+        "collective_rpc": "use vLLM >= 0.10 (Relay pins 0.32)",
+        "pause_generation": "use a vLLM whose AsyncLLM has pause_generation/resume_generation (Relay pins 0.32)",
+        "pause_generation(mode=...)": "use vLLM >= 0.26 (pause modes keep/abort/wait; Relay pins 0.32)",
+        "update_weight_version": "use vLLM >= 0.29 (per-token weight-version spans), or set "
+        "rollout.partial=resubmit or rollout.partial=off (no request then spans two versions)",
+    }
+    needed = ["collective_rpc", "pause_generation", "pause_generation(mode=...)"]
+    if partial == "keep":
+        needed.append("update_weight_version")
+    missing = [c for c in needed if not have[c]]
+    if missing:
+        name = f"{engine_cls.__module__}.{engine_cls.__qualname__}"
+        raise EngineCapabilityError(
+            f"the vLLM engine {name} lacks {', '.join(missing)}, which rollout.partial={partial} needs: "
+            + "; ".join(f"{c}: {fixes[c]}" for c in missing)
+        )
+
+
+def cpu_env(kv_cache_gib: float) -> dict[str, str]:
+    """Environment a CPU replica needs before vLLM is imported (see stack-facts: thread binding, KV space)."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_cache_gib)))),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def create_engine(
+    model_path: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    gpu_memory_utilization: float,
+    seed: int = 0,
+    use_gpu: bool = False,
+    partial: str = "keep",
+) -> Any:
+    """An AsyncLLM with our worker extension, behaviour log-probs after temperature, eager mode.
+
+    Raises EngineCapabilityError before starting anything when the engine cannot serve `rollout.partial`.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    check_capabilities(AsyncLLM, partial)
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=True,
+        seed=seed,
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_prefix_caching=False,
+    )
+    if use_gpu:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
+    if "logprobs_mode" in fields:
+        kwargs["logprobs_mode"] = "processed_logprobs"
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+def _seeded_sampling_ok() -> bool:
+    """Per-request seeds crash vLLM 0.32's CPU worker once a seeded request is preempted or its sampled token
+    discarded ("CPU Generator does not use offset" kills the engine core). On CPU the engine seed alone is used."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class _Book:
+    """Per-token versions where the engine has no weight-version spans (vLLM < 0.29).
+
+    A keep-mode pause returns once the output queue is drained, so while paused every in-flight request's
+    output count is exactly the tokens the old weights sampled. `mark` records those counts under the old
+    version; a finished request's tokens are labelled from its marks, the rest with the version at finish.
+    Arrival times cannot label tokens: output deltas are merged, so a boundary can fall inside one.
+    """
+
+    def __init__(self) -> None:
+        self.current: int | None = None
+        self.marks: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (request, sample) -> [(n, version)]
+
+    def mark(self, engine: Any) -> None:
+        """Record, for every in-flight request, how many of its tokens the current version sampled."""
+        if self.current is None:
+            return
+        states = getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
+        for st in list(states.values()):
+            parent = getattr(st, "parent_req", None)
+            rid = getattr(parent, "external_req_id", None) or getattr(st, "external_req_id", None)
+            rid = rid or getattr(st, "request_id", "")
+            detok = getattr(st, "detokenizer", None)
+            n = detok.num_output_tokens() if hasattr(detok, "num_output_tokens") else 0
+            self.marks.setdefault((str(rid), int(getattr(st, "request_index", 0) or 0)), []).append(
+                (int(n), self.current)
+            )
+
+    def versions(self, request_id: str, index: int, n_tokens: int, fallback: int) -> list[int]:
+        last = self.current if self.current is not None else fallback
+        out: list[int] = []
+        for n, v in sorted(self.marks.get((request_id, index), [])):
+            out.extend([v] * max(0, min(n, n_tokens) - len(out)))
+        return out + [last] * (n_tokens - len(out))
+
+    def forget(self, request_id: str) -> None:
+        for key in [k for k in self.marks if k[0] == request_id]:
+            del self.marks[key]
+
+
+def _book(engine: Any) -> _Book | None:
+    """The engine's version book, or None where the engine labels tokens itself (update_weight_version)."""
+    if hasattr(engine, "update_weight_version"):
+        return None
+    book = getattr(engine, "_relay_book", None)
+    if book is None:
+        book = _Book()
+        engine._relay_book = book
+    return book
+
+
+def _spans_to_versions(spans: Any, n_tokens: int, fallback: int) -> list[int]:
+    versions = [fallback] * n_tokens
+    for sp in spans or []:
+        raw = str(getattr(sp, "version", fallback))
+        v = (
+            int(raw) if raw.lstrip("-").isdigit() else fallback
+        )  # an engine never given a version says "default"
+        for i in range(int(sp.start), min(int(sp.end), n_tokens)):
+            versions[i] = v
+    return versions
+
+
+async def generate(
+    engine,
+    prompt_ids: list[int],
+    *,
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    version: int,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+) -> list[dict[str, Any]]:
+    """Token-in/token-out sampling. Each sample: token_ids, logprobs (of the sampled tokens), finish_reason,
+    versions (one per token: native per-token version spans where vLLM has them, else the replica's)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    if seed is not None and not _seeded_sampling_ok():
+        seed = None
+    params = SamplingParams(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        logprobs=0,
+        seed=seed,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False,
+        ignore_eos=ignore_eos,
+    )
+    final, request_id, book = None, uuid.uuid4().hex, _book(engine)
+    try:
+        async for out in engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+            final = out
+        if final is None:
+            raise RuntimeError("vLLM returned no output for a generation request")
+        return _samples(final, version, book, request_id)
+    finally:
+        if book is not None:
+            book.forget(request_id)
+
+
+def _samples(final: Any, version: int, book: _Book | None, request_id: str) -> list[dict[str, Any]]:
+    samples = []
+    for comp in final.outputs:
+        ids = list(comp.token_ids)
+        lps = (
+            [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
+            if comp.logprobs
+            else [0.0] * len(ids)
+        )
+        samples.append(
+            {
+                "token_ids": ids,
+                "logprobs": lps,
+                "finish_reason": comp.finish_reason or "unknown",
+                "versions": (
+                    book.versions(request_id, int(getattr(comp, "index", 0) or 0), len(ids), version)
+                    if book is not None
+                    else _spans_to_versions(getattr(comp, "weight_versions", None), len(ids), version)
+                ),
+            }
+        )
+    return samples
+
+
+async def completion_logprobs(engine, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """Log-probs the current weights assign to a fixed completion (raw model, temperature 1)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    ids = list(prompt_ids) + list(completion_ids)
+    params = SamplingParams(
+        max_tokens=1,
+        prompt_logprobs=0,
+        temperature=1.0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False,
+    )
+    final = None
+    async for out in engine.generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
+        final = out
+    plp = final.prompt_logprobs
+    start = len(prompt_ids)
+    return [float(plp[i][ids[i]].logprob) for i in range(start, len(ids))]
+
+
+async def set_version(engine: Any, version: int) -> None:
+    """Label tokens sampled from now on with `version`. Engines without it passed `check_capabilities` only
+    where no request spans two versions: each sample is then labelled with the replica's version."""
+    if hasattr(engine, "update_weight_version"):
+        await engine.update_weight_version(str(version))
+    else:
+        book = _book(engine)
+        if book is not None:
+            book.current = version
+
+
+async def rpc(engine: Any, method: str, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    """collective_rpc to every worker of this engine (our worker extension's methods)."""
+    return await engine.collective_rpc(method, timeout=timeout, kwargs=kwargs)
+
+
+async def pause(engine: Any, partial: str = "keep") -> None:
+    """Pause generation for a weight load. `keep`: in-flight requests freeze and continue after resume with
+    their KV cache recomputed; `resubmit`: they are aborted (the caller resubmits them); `off`: they finish
+    under the old weights first. (`check_capabilities` made sure the engine has it: never skipped.)"""
+    await engine.pause_generation(mode=PAUSE_MODES[partial], clear_cache=True)
+    book = _book(engine)
+    if book is not None and partial == "keep":  # frozen requests resume under the next version
+        book.mark(engine)
+
+
+async def resume(engine: Any) -> None:
+    await engine.resume_generation()
+
+
+def engine_dead(engine: Any) -> bool:
+    """True once the engine can never serve again: its core process died (the OOM killer, a crash) or its
+    output loop ended. vLLM's AsyncLLM says so in `errored`; its requests then raise EngineDeadError."""
+    return bool(getattr(engine, "errored", False))
+
+
+async def check_health(engine: Any) -> None:
+    """Raise (vLLM's EngineDeadError) when the engine is dead; a replica's health check calls this."""
+    if hasattr(engine, "check_health"):
+        await engine.check_health()
+    elif engine_dead(engine):
+        raise RuntimeError("the vLLM engine is dead")
+
+
+def shutdown(engine: Any) -> None:
+    if engine is not None and hasattr(engine, "shutdown"):
+        engine.shutdown()
