@@ -57,14 +57,28 @@ def clamped_ratio(
 
 
 def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token ``-min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A)`` and the active-clip mask."""
+    """Per-token ``-min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A)`` and the active-clip mask.
+
+    With ``clip_ratio_c`` (dual-clip), a token with ``A < 0`` has its loss capped at ``clip_ratio_c * |A|``
+    (a huge ratio on a bad token is otherwise unbounded); such tokens count as clipped too.
+    """
     surr = ratio * advantages
     surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     m = mask.bool()
     clipped = (surr_clipped < surr) & m  # the clipped term is the strictly smaller (active) one
     loss = -torch.where(clipped, surr_clipped, surr)
+    if clip_ratio_c is not None:
+        cap = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (loss > cap) & m
+        loss = torch.where(dual, cap, loss)
+        clipped = clipped | dual
     return torch.where(m, loss, torch.zeros_like(loss)), clipped
 
 
@@ -76,29 +90,34 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     max_log_ratio: float = 20.0,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate per token; all inputs ``[B, T]`` (advantages already broadcast per token).
 
     ``ratio = clamped_ratio(logprobs, old_logprobs)`` (``old_logprobs`` is detached) and
-    ``loss_tok = -min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A)`` (asymmetric "clip-higher").
+    ``loss_tok = -min(ratio*A, clip(ratio, 1-clip_low, 1+clip_high)*A)`` (asymmetric "clip-higher"), capped
+    at ``clip_ratio_c * |A|`` for ``A < 0`` when ``clip_ratio_c`` is given (dual-clip).
     Returns ``(loss_tok, clipped)``: ``loss_tok`` is ``[B, T]`` with masked positions 0; ``clipped`` is a
-    ``[B, T]`` bool tensor, True where the clipped term is the active one and differs from the unclipped
+    ``[B, T]`` bool tensor, True where a clipped term is the active one and differs from the unclipped
     term (those tokens have zero gradient), always False at masked positions. Unclipped tokens have
     gradient ``-A * ratio`` w.r.t. ``logprobs``.
     """
     ratio = clamped_ratio(logprobs, old_logprobs.detach(), max_log_ratio)
-    return _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high)
+    return _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high, clip_ratio_c)
 
 
 def tis_weights(
     proximal_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
-    cap: float = 2.0,
+    cap: float | None = 2.0,
     max_log_ratio: float = 20.0,
 ) -> torch.Tensor:
-    """Truncated importance weights ``min(exp(clamp(prox - behav)), cap)``, detached (no gradient)."""
+    """Truncated importance weights ``min(exp(clamp(prox - behav)), cap)``, detached (no gradient).
+
+    ``cap=None`` leaves them untruncated (AReaL's decoupled loss).
+    """
     w = clamped_ratio(proximal_logprobs.detach(), behaviour_logprobs.detach(), max_log_ratio)
-    return w.clamp(max=cap)
+    return w if cap is None else w.clamp(max=cap)
 
 
 def decoupled_policy_loss(
@@ -111,39 +130,43 @@ def decoupled_policy_loss(
     clip_high: float = 0.28,
     cap: float | None = None,
     max_log_ratio: float = 20.0,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """AReaL decoupled PPO loss for off-policy (async) samples; all inputs ``[B, T]``.
 
     The trust region is taken against the proximal policy: ``ratio = exp(clamp(logp - prox))`` is
     clipped exactly as in :func:`policy_loss`, and each token's surrogate is multiplied by the behaviour
-    importance weight ``w = exp(clamp(prox - behav))`` (detached; truncated at ``cap`` if given).
+    importance weight :func:`tis_weights` ``(prox, behav, cap)`` (detached; truncated at ``cap`` if given).
     ``proximal_logprobs`` and ``behaviour_logprobs`` are detached. With ``prox == behav`` this equals
     :func:`policy_loss`. Returns ``(loss_tok, clipped)`` with the same contract as :func:`policy_loss`.
     """
-    ratio = clamped_ratio(logprobs, proximal_logprobs.detach(), max_log_ratio)
-    loss, clipped = _clipped_surrogate(ratio, advantages, mask, clip_low, clip_high)
-    w = clamped_ratio(proximal_logprobs.detach(), behaviour_logprobs.detach(), max_log_ratio)
-    if cap is not None:
-        w = w.clamp(max=cap)
-    return loss * w, clipped
+    loss, clipped = policy_loss(
+        logprobs, proximal_logprobs, advantages, mask, clip_low, clip_high, max_log_ratio, clip_ratio_c
+    )
+    return loss * tis_weights(proximal_logprobs, behaviour_logprobs, cap, max_log_ratio), clipped
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str, max_log_ratio: float = 20.0
+) -> torch.Tensor:
     """Per-token KL(policy || ref) estimate from sampled-token log-probs (same shape as inputs).
 
-    ``"k1"``: ``logp - ref``. ``"k3"``: ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unclamped).
-    ``"low_var_kl"``: k3 with the log-ratio clamped to [-20, 20] and the result clamped to [-10, 10]
-    (as in verl). All are 0 where ``logprobs == ref_logprobs``. Unknown ``kind`` raises ValueError.
+    Every estimator first clamps the log-ratio ``ref - logp`` to ``[-max_log_ratio, max_log_ratio]``: a
+    large trainer/reference mismatch (or a ``-inf`` log-prob) then gives a large but finite value, never an
+    ``inf`` that a mask turns into ``nan``. ``"k1"``: ``logp - ref``. ``"k3"``: ``exp(ref - logp) -
+    (ref - logp) - 1`` (>= 0). ``"low_var_kl"``: k3 with the log-ratio clamped to [-20, 20] and the result
+    clamped to [-10, 10] (as in verl). All are 0 where ``logprobs == ref_logprobs``. Unknown ``kind``
+    raises ValueError.
     """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown kl kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+    log_ratio = (ref_logprobs - logprobs).clamp(-max_log_ratio, max_log_ratio)
     if kind == "k1":
-        return logprobs - ref_logprobs
-    if kind in ("k3", "low_var_kl"):
-        log_ratio = ref_logprobs - logprobs
-        if kind == "k3":
-            return torch.exp(log_ratio) - log_ratio - 1.0
-        log_ratio = log_ratio.clamp(-20.0, 20.0)
-        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+        return -log_ratio
+    if kind == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    log_ratio = log_ratio.clamp(-20.0, 20.0)
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
 
 
 def aggregate(

@@ -1,9 +1,8 @@
 """Training: GRPO on a model sharded with FSDP2, run by Ray Train's TorchTrainer.
 
 `Learner` holds the sharded policy (and, with a KL penalty, a frozen sharded reference) and does one
-optimizer step on a `Batch`; it needs torch alone (the GPU tier runs it without Ray). `train_worker` is the
-per-worker loop: rank 0 fetches batches from the rollouter and shares them, every rank trains its share,
-and every rank takes part in the weight push (all gather, rank 0 sends).
+optimizer step on a `Batch` with the loss `algorithm.correction` picks from `app.losses.LOSSES`; it needs
+torch alone (the GPU tier runs it without Ray). The per-worker loop around it is in app/trainer/.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from app import grpo
+from app.losses import LOSSES, LossInputs
 from app.records import Batch, Group
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,12 @@ def build_fsdp_model(
     mp = None
     if dtype == "bfloat16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    kw = {"mp_policy": mp} if mp is not None else {}
+    kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
     if dist.is_initialized():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # the mesh on the configured device type: FSDP2's default mesh is CUDA whenever a GPU is visible
+        kw["mesh"] = init_device_mesh(device.type, (dist.get_world_size(),))
         for layer in _decoder_layers(model):
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
@@ -134,6 +138,9 @@ def response_logprobs(
 
 # ---------------------------------------------------------------- the learner
 
+# token-weighted sums a step accumulates over micro-batches (then divided by the token count)
+_SUMS = ("loss", "kl", "entropy", "clipped", "tokens", "mismatch", "is_weight")
+
 
 class Learner:
     """One optimizer step of GRPO on this rank's share of a batch (all ranks step in lock-step)."""
@@ -158,115 +165,106 @@ class Learner:
 
         hf = AutoConfig.from_pretrained(model_path)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
+        self.loss_fn = LOSSES[cfg.algorithm.correction]
 
     def step(self, batch: Batch) -> dict[str, float]:
-        a, t = self.cfg.algorithm, self.cfg.train
-        rows = flatten_batch(batch, a.normalize_adv_std)
+        """One optimizer step on `batch` (collective: every rank calls it with the same batch)."""
+        rows = flatten_batch(batch, self.cfg.algorithm.normalize_adv_std)
         total_tokens = float(sum(len(r.response_ids) for r in rows))
-        total_seqs = float(len(rows))
         mine = rows[self.rank :: self.world]
-        mbs = t.micro_batch_size
+        mbs = self.cfg.train.micro_batch_size
         # every rank runs the same number of forward/backward passes (FSDP2 collectives); a rank with fewer
         # rows runs a zero-weight pass on a copy of a row
         n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world) / mbs))
         self.model.train()
-        # loss*tok, kl*tok, entropy*tok, clipped, tokens, mismatch, is-weight sum, is-weight max
-        sums = torch.zeros(8, dtype=torch.float64)
+        sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64)  # the sums below, then the is-weight max
         for k in range(n_micro):
             part = mine[k * mbs : (k + 1) * mbs]
             weight = 1.0
             if not part:
                 part, weight = (mine or rows)[:1], 0.0
-            mb = collate(part, self.pad_id, self.device)
-            logp, logits = response_logprobs(self.model, mb)
-            if a.correction == "none":
-                loss_tok, clipped = grpo.policy_loss(
-                    logp, mb["old"], mb["adv"], mb["mask"], a.clip_low, a.clip_high, a.max_log_ratio
-                )
-                w_is = torch.ones_like(logp)
-            else:
-                # one optimizer step per batch: the proximal policy is the trainer's current one, so its
-                # log-probs are this forward's, detached (no extra forward pass)
-                prox = logp.detach()
-                cap = a.is_cap if a.correction == "tis" else None
-                loss_tok, clipped = grpo.decoupled_policy_loss(
-                    logp,
-                    prox,
-                    mb["old"],
-                    mb["adv"],
-                    mb["mask"],
-                    a.clip_low,
-                    a.clip_high,
-                    cap,
-                    a.max_log_ratio,
-                )
-                w_is = grpo.clamped_ratio(prox, mb["old"], a.max_log_ratio)
-                if cap is not None:
-                    w_is = w_is.clamp(max=cap)
-            kl_tok = torch.zeros_like(loss_tok)
-            if a.kl_coef > 0:
-                if self.ref is not None:
-                    with torch.no_grad():
-                        ref_logp, _ = response_logprobs(self.ref, mb)
-                elif "ref" in mb:
-                    ref_logp = mb["ref"]
-                else:
-                    raise RuntimeError(
-                        "algorithm.kl_coef > 0 with ref.workers > 0, but a trained sample has no reference "
-                        "log-probs (the reference workers did not score it)"
-                    )
-                kl_tok = grpo.kl_penalty(logp, ref_logp, a.kl_kind) * mb["mask"]
-            total_tok = loss_tok + a.kl_coef * kl_tok
-            loss = grpo.aggregate(
-                total_tok, mb["mask"], a.loss_agg, num_tokens=total_tokens, num_seqs=total_seqs
-            )
-            # FSDP averages gradients over ranks; the denominators above are global, so scale back up
-            (loss * self.world * weight).backward()
+            got = self._micro_step(part, weight, total_tokens, float(len(rows)))
+            sums[:-1] += got[:-1]
+            sums[-1] = max(sums[-1], got[-1])
+        grad_norm = self._optimizer_step()
+        return self._step_metrics(self._reduce(sums), grad_norm, total_tokens)
+
+    def _micro_step(self, part: list[Row], weight: float, num_tokens: float, num_seqs: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its metric sums (see _SUMS) and is-weight max."""
+        a = self.cfg.algorithm
+        mb = collate(part, self.pad_id, self.device)
+        logp, logits = response_logprobs(self.model, mb)
+        out = self.loss_fn(
+            LossInputs(logprobs=logp, behaviour_logprobs=mb["old"], advantages=mb["adv"], mask=mb["mask"]), a
+        )
+        kl_tok = torch.zeros_like(out.loss_tok)
+        if a.kl_coef > 0:
+            kl_tok = grpo.kl_penalty(logp, self._ref_logprobs(mb), a.kl_kind, a.max_log_ratio) * mb["mask"]
+        loss = grpo.aggregate(
+            out.loss_tok + a.kl_coef * kl_tok,
+            mb["mask"],
+            a.loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        # FSDP averages gradients over ranks; the denominators above are global, so scale back up
+        (loss * self.world * weight).backward()
+        with torch.no_grad():
+            m = mb["mask"] * weight
+            ent = grpo.entropy_from_logits(logits)
+            per_tok = (out.loss_tok, kl_tok, ent, out.clipped.float(), torch.ones_like(m))
+            per_tok += ((logp - mb["old"]).abs(), out.is_weight)
+            vals = [float((x * m).sum()) for x in per_tok]
+            w_max = float(out.is_weight[m > 0].max()) if float(m.sum()) > 0 else 0.0
+        return torch.tensor([*vals, w_max], dtype=torch.float64)
+
+    def _ref_logprobs(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.ref is not None:
             with torch.no_grad():
-                m = mb["mask"] * weight
-                ent = grpo.entropy_from_logits(logits)
-                sums += torch.tensor(
-                    [
-                        float((loss_tok * m).sum()),
-                        float((kl_tok * m).sum()),
-                        float((ent * m).sum()),
-                        float((clipped.float() * m).sum()),
-                        float(m.sum()),
-                        float(((logp - mb["old"]).abs() * m).sum()),
-                        float((w_is * m).sum()),
-                        0.0,
-                    ],
-                    dtype=torch.float64,
-                )
-                if float(m.sum()) > 0:
-                    sums[7] = max(float(sums[7]), float(w_is[m > 0].max()))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+                return response_logprobs(self.ref, mb)[0]
+        if "ref" in mb:
+            return mb["ref"]
+        raise RuntimeError(
+            "algorithm.kl_coef > 0 with ref.workers > 0, but a trained sample has no reference "
+            "log-probs (the reference workers did not score it)"
+        )
+
+    def _optimizer_step(self) -> float:
+        """Clip, step (unless the gradient is non-finite) and zero; returns the gradient norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
-        finite = math.isfinite(grad_norm)
-        if finite:  # a non-finite step changes nothing, the schedule included
+        if math.isfinite(grad_norm):  # a non-finite step changes nothing, the schedule included
             self.opt.step()
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        if dist.is_initialized():
-            red = sums[:7].clone().to(self.device)
-            dist.all_reduce(red)
-            mx = sums[7:].clone().to(self.device)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-            sums = torch.cat([red.cpu(), mx.cpu()])
-        tok = max(1.0, float(sums[4]))
+        return grad_norm
+
+    def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sums over ranks; the last entry (is-weight max) is a max."""
+        if not dist.is_initialized():
+            return sums
+        red = sums[:-1].clone().to(self.device)
+        dist.all_reduce(red)
+        mx = sums[-1:].clone().to(self.device)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        return torch.cat([red.cpu(), mx.cpu()])
+
+    def _step_metrics(self, sums: torch.Tensor, grad_norm: float, total_tokens: float) -> dict[str, float]:
+        s = dict(zip(_SUMS, sums.tolist(), strict=False))
+        tok = max(1.0, s["tokens"])
         return {
-            "loss/policy": float(sums[0]) / tok,
-            "loss/kl": float(sums[1]) / tok,
-            "actor/entropy": float(sums[2]) / tok,
-            "actor/clip_frac": float(sums[3]) / tok,
+            "loss/policy": s["loss"] / tok,
+            "loss/kl": s["kl"] / tok,
+            "actor/entropy": s["entropy"] / tok,
+            "actor/clip_frac": s["clipped"] / tok,
             "actor/grad_norm": grad_norm,
-            "actor/logprob_mismatch": float(sums[5]) / tok,
-            "actor/is_weight_mean": float(sums[6]) / tok,
-            "actor/is_weight_max": float(sums[7]),
+            "actor/logprob_mismatch": s["mismatch"] / tok,
+            "actor/is_weight_mean": s["is_weight"] / tok,
+            "actor/is_weight_max": float(sums[-1]),
             "actor/lr": self.sched.get_last_lr()[0],
-            "train/skipped_steps": 0.0 if finite else 1.0,
+            "train/skipped_steps": 0.0 if math.isfinite(grad_norm) else 1.0,
             "train/tokens": total_tokens,
         }
 

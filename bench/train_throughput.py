@@ -87,16 +87,16 @@ def make_batch(vocab: int, groups: int, n: int, prompt: int, response: int):
         p = torch.randint(3, vocab, (prompt,), generator=g).tolist()
         samples = [
             Sample(
-                torch.randint(3, vocab, (response,), generator=g).tolist(),
-                [-1.0] * response,
-                [0] * response,
-                "length",
+                token_ids=torch.randint(3, vocab, (response,), generator=g).tolist(),
+                logprobs=[-1.0] * response,
+                versions=[0] * response,
+                finish_reason="length",
                 reward=float(si % 2),
             )
             for si in range(n)
         ]
-        out.append(Group(f"g{gi}", p, "", samples))
-    return Batch(out)
+        out.append(Group(uid=f"g{gi}", prompt_ids=p, answer="", samples=samples))
+    return Batch(groups=out)
 
 
 def model_flops_per_token(model: torch.nn.Module, size: str, seq_len: int) -> tuple[float, int]:

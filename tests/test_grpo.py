@@ -188,7 +188,21 @@ def test_kl_penalty_low_var_clamps():
     logp, ref = torch.zeros(3), torch.tensor([1000.0, -1000.0, 2.0])
     # x=1000 -> 20: e^20 - 21 ~ 4.85e8 -> 10;  x=-1000 -> -20: e^-20 + 19 -> 10;  x=2: e^2 - 3 = 4.389056
     close(grpo.kl_penalty(logp, ref, "low_var_kl"), [10.0, 10.0, math.exp(2) - 3])
-    close(grpo.kl_penalty(logp, ref, "k1"), [-1000.0, 1000.0, -2.0])
+    close(grpo.kl_penalty(logp, ref, "k1"), [-20.0, 20.0, -2.0])  # k1's log-ratio is clamped too
+
+
+def test_kl_penalty_k3_clamps_its_log_ratio():
+    # x = ref - logp = 100 (past exp's float32 range, 88.7) -> clamped to 20: e^20 - 20 - 1 = 485165174.4;
+    # x = -100 -> -20: e^-20 + 20 - 1 = 19.000000002; a logp of -inf (x = +inf) -> 20 as well
+    logp, ref = torch.tensor([-100.0, 0.0, float("-inf")]), torch.tensor([0.0, -100.0, 0.0])
+    k3 = grpo.kl_penalty(logp, ref, "k3")
+    assert torch.isfinite(k3).all()
+    close(k3, [math.exp(20) - 21, 19.0, math.exp(20) - 21], atol=1.0)
+    # the trainer masks the KL per token: a masked clamped value is 0, never inf * 0 = nan
+    masked = k3 * torch.tensor([0.0, 1.0, 0.0])
+    assert masked.tolist() == pytest.approx([0.0, 19.0, 0.0])
+    # a tighter clamp: x = 100 -> 5: e^5 - 6 = 142.413159
+    close(grpo.kl_penalty(logp[:1], ref[:1], "k3", max_log_ratio=5.0), [math.exp(5) - 6], atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k3", "low_var_kl"])
@@ -257,3 +271,41 @@ def test_token_logprobs_golden():
     bf = grpo.token_logprobs(torch.full((1, 2, 4), 3.0, dtype=torch.bfloat16), torch.tensor([[0, 3]]))
     assert bf.dtype == torch.float32
     close(bf, [[-math.log(4)] * 2])
+
+
+# -------------------------------------------------------------------------------------------- dual-clip
+def test_dual_clip_caps_negative_advantage_loss():
+    # ratios e^[ln5, ln5, ln2, ln0.5], advantages [-1, +1, -2, -1], clip 0.2 / 0.28, clip_ratio_c 3:
+    # tok0 A=-1 r=5: max(5, 1.28) = 5 -> capped at 3 * |A| = 3.0 (dual-clipped)
+    # tok1 A=+1 r=5: -min(5, 1.28) = -1.28 (upper clip; dual-clip only touches A < 0)
+    # tok2 A=-2 r=2: max(4, 2.56) = 4 < 3 * 2 = 6: unchanged 4.0
+    # tok3 A=-1 r=0.5: max(0.5, 0.8) = 0.8 (lower clip) < 3: unchanged 0.8
+    logp = torch.log(torch.tensor([[5.0, 5.0, 2.0, 0.5]]))
+    old, adv, mask = torch.zeros(1, 4), torch.tensor([[-1.0, 1.0, -2.0, -1.0]]), torch.ones(1, 4)
+    loss, clipped = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28, clip_ratio_c=3.0)
+    close(loss, [[3.0, -1.28, 4.0, 0.8]])
+    assert clipped.tolist() == [[True, True, False, True]]
+    plain, _ = grpo.policy_loss(logp, old, adv, mask, 0.2, 0.28)
+    close(plain, [[5.0, -1.28, 4.0, 0.8]])  # off by default
+
+
+def test_dual_clip_has_no_gradient_past_the_cap_and_respects_mask():
+    logp = torch.log(torch.tensor([[5.0, 5.0]])).requires_grad_(True)
+    loss, clipped = grpo.policy_loss(
+        logp, torch.zeros(1, 2), torch.tensor([[-1.0, -1.0]]), torch.tensor([[1.0, 0.0]]), clip_ratio_c=3.0
+    )
+    close(loss, [[3.0, 0.0]])
+    assert clipped.tolist() == [[True, False]]  # masked tokens never count as clipped
+    loss.sum().backward()
+    close(logp.grad, [[0.0, 0.0]])
+
+
+def test_dual_clip_in_decoupled_loss():
+    # on-policy prox == behav: weight 1, so the decoupled loss equals the dual-clipped PPO loss
+    logp = torch.log(torch.tensor([[5.0]]))
+    prox = behav = torch.zeros(1, 1)
+    loss, clipped = grpo.decoupled_policy_loss(
+        logp, prox, behav, torch.tensor([[-1.0]]), torch.ones(1, 1), clip_ratio_c=3.0
+    )
+    close(loss, [[3.0]])
+    assert clipped.tolist() == [[True]]

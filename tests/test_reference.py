@@ -38,12 +38,19 @@ def test_reference_worker_matches_trainer(tmp_path):
     for c, r in zip(completions[:3], ref[:3]):
         lp = learner.logprobs_of(prompt, c)
         samples.append(
-            Sample(c, lp, [0] * len(c), "stop", reward=float(c[0] == completions[0][0]), ref_logprobs=r)
+            Sample(
+                token_ids=c,
+                logprobs=lp,
+                versions=[0] * len(c),
+                finish_reason="stop",
+                reward=float(c[0] == completions[0][0]),
+                ref_logprobs=r,
+            )
         )
-    m = learner.step(Batch([Group("g", prompt, "8", samples)]))
+    m = learner.step(Batch(groups=[Group(uid="g", prompt_ids=prompt, answer="8", samples=samples)]))
     assert abs(m["loss/kl"]) < 1e-3
     samples[0].ref_logprobs = None
     import pytest
 
     with pytest.raises(RuntimeError, match="no reference log-probs"):
-        learner.step(Batch([Group("g", prompt, "8", samples)]))
+        learner.step(Batch(groups=[Group(uid="g", prompt_ids=prompt, answer="8", samples=samples)]))

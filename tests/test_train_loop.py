@@ -17,29 +17,31 @@ def _batch(answer_tok: int, wrong_tok: int, eos: int, prompt: list[int], groups:
     gs = []
     for g in range(groups):
         samples = [
-            Sample([answer_tok, eos], [-2.0, -0.1], [0, 0], "stop", reward=1.0),
-            Sample([wrong_tok, eos], [-1.0, -0.1], [0, 0], "stop", reward=0.0),
-            Sample([wrong_tok, eos], [-1.0, -0.1], [0, 0], "stop", reward=0.0),
-            Sample([answer_tok, eos], [-2.0, -0.1], [0, 0], "stop", reward=1.0),
+            _sample([answer_tok, eos], [-2.0, -0.1], 1.0),
+            _sample([wrong_tok, eos], [-1.0, -0.1], 0.0),
+            _sample([wrong_tok, eos], [-1.0, -0.1], 0.0),
+            _sample([answer_tok, eos], [-2.0, -0.1], 1.0),
         ]
-        gs.append(Group(f"g{g}", prompt, "x", samples))
-    return Batch(gs)
+        gs.append(Group(uid=f"g{g}", prompt_ids=prompt, answer="x", samples=samples))
+    return Batch(groups=gs)
+
+
+def _sample(ids: list[int], lps: list[float], reward: float, versions: list[int] | None = None) -> Sample:
+    return Sample(
+        token_ids=ids,
+        logprobs=lps,
+        versions=versions if versions is not None else [0] * len(ids),
+        finish_reason="stop",
+        reward=reward,
+    )
 
 
 def test_flatten_and_collate_alignment():
-    b = Batch(
-        [
-            Group(
-                "g",
-                [5, 6, 7],
-                "a",
-                [
-                    Sample([8, 9], [-0.5, -0.25], [3, 3], "stop", reward=1.0),
-                    Sample([4], [-1.5], [2], "length", reward=0.0),
-                ],
-            )
-        ]
-    )
+    samples = [
+        _sample([8, 9], [-0.5, -0.25], 1.0, versions=[3, 3]),
+        Sample(token_ids=[4], logprobs=[-1.5], versions=[2], finish_reason="length", reward=0.0),
+    ]
+    b = Batch(groups=[Group(uid="g", prompt_ids=[5, 6, 7], answer="a", samples=samples)])
     rows = flatten_batch(b, normalize_std=True)
     assert [r.advantage for r in rows] == pytest.approx([1.0, -1.0], abs=1e-5)
     mb = collate(rows, pad_id=0, device=torch.device("cpu"))

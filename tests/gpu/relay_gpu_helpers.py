@@ -138,9 +138,17 @@ def fixed_batch(
         samples = []
         for si in range(n):
             resp = torch.randint(3, vocab, (resp_len,), generator=g).tolist()
-            samples.append(Sample(resp, [0.0] * resp_len, [0] * resp_len, "stop", reward=float(si % 2 == 0)))
-        out.append(Group(f"g{gi}", prompt, "", samples))
-    return Batch(out)
+            samples.append(
+                Sample(
+                    token_ids=resp,
+                    logprobs=[0.0] * resp_len,
+                    versions=[0] * resp_len,
+                    finish_reason="stop",
+                    reward=float(si % 2 == 0),
+                )
+            )
+        out.append(Group(uid=f"g{gi}", prompt_ids=prompt, answer="", samples=samples))
+    return Batch(groups=out)
 
 
 def with_behaviour_logprobs(learner: Any, batch: Any) -> Any:

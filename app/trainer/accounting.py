@@ -1,0 +1,41 @@
+"""`trained_groups.jsonl`: one JSON line per trained group, so a run can prove each prompt of an epoch was
+trained exactly once, at which version, with tokens of which versions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app import checkpoint
+from app.records import Group
+
+NAME = "trained_groups.jsonl"
+
+
+class TrainedLog:
+    """The accounting log of a run directory (written by trainer rank 0 only)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / NAME
+
+    def append(self, step: int, trained_at: int, groups: list[Group]) -> None:
+        """Record `groups` as trained at `step` (1-based) by weights of version `trained_at`."""
+        with open(self.path, "a") as f:
+            for g in groups:
+                rec = {
+                    "uid": g.uid,
+                    "step": step,
+                    "trained_at": trained_at,
+                    "min_version": g.min_version,
+                    "max_version": g.max_version,
+                }
+                f.write(json.dumps(rec) + "\n")
+
+    def truncate(self, step: int) -> int:
+        """Forget the records of steps after `step` (a restore discarded that work); returns how many."""
+        return checkpoint.truncate_log(self.path, step)
+
+    def records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(x) for x in self.path.read_text().splitlines()]

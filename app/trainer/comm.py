@@ -1,0 +1,54 @@
+"""What the trainer ranks share and how rank 0 waits on the other roles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+def bcast(obj: Any) -> Any:
+    """Rank 0's `obj` on every trainer rank (the default group), or `obj` itself without one."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass
+class Actors:
+    """Handles of the roles the trainer talks to, and its deadline (`train.timeout_s`) for their answers."""
+
+    rollouter: Any
+    hub: Any  # the weight hub: replica membership, the pushed version
+    control: Any  # run control: stop requests, heartbeat
+    timeout_s: float
+
+    def get(self, ref: Any, what: str, slack: float = 0.0) -> Any:
+        """`ray.get(ref)` within `timeout_s + slack`; past it, a TimeoutError saying what the roles were doing."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s + slack)
+        except ray.exceptions.GetTimeoutError:
+            prog = ray.get(self.rollouter.progress.remote(), timeout=10)
+            status = ray.get(self.hub.status.remote(), timeout=10)
+            raise TimeoutError(
+                f"waited train.timeout_s={self.timeout_s}s for {what}; rollouter={prog}; hub={status}"
+            ) from None
+
+    @classmethod
+    def lookup(cls, prefix: str, timeout_s: float) -> Actors:
+        """The actors of run `prefix` (created by app/driver.py), looked up by name."""
+        import ray
+
+        from app.rollouter import rollouter_name
+        from app.serve_rollout import NAMESPACE, hub_name
+        from app.sync.control import control_name
+
+        hub = ray.get_actor(hub_name(prefix), namespace=NAMESPACE)
+        control = ray.get_actor(control_name(prefix), namespace=NAMESPACE)
+        rollouter = ray.get_actor(rollouter_name(prefix), namespace=NAMESPACE)
+        return cls(rollouter=rollouter, hub=hub, control=control, timeout_s=timeout_s)

@@ -1,0 +1,225 @@
+"""The trainer loop, as the algorithm reads: get a batch, train, push the new version, log, checkpoint.
+
+How batches are made and when weights are pushed or validated differ by `algorithm.mode`; the loop asks the
+mode's `BatchSource` (app/trainer/sources/) and never branches on the mode itself. Every rank runs this in
+lock-step: rank 0 fetches the batch and shares it, every rank trains its share and takes part in each push.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from app.records import Batch
+from app.sync import PushStats
+from app.trainer.comm import bcast
+from app.trainer.parts import Trainer
+from app.trainer.saving import save_checkpoint
+from app.trainer.state import RunState
+from app.trainer.step_metrics import PROMETHEUS, StepTimings, step_metrics
+
+log = logging.getLogger("app.train")
+
+
+def run(t: Trainer, st: RunState) -> None:
+    """Train from `st` until `train.steps`, a stop request or the end of the data; then `finish`."""
+    begin(t, st)
+    steps = t.cfg.train.steps
+    for step in range(st.step + 1, steps + 1):  # 1-based: the step about to be trained
+        t0 = time.perf_counter()
+        t.monitor.phase(f"waiting for {t.cfg.train.batch_groups} finished groups for step {step}")
+        batch, st.stop = next_batch(t, st.version, more=step < steps)
+        if not batch.groups:
+            log.info("stopping after %d steps: %s", st.step, st.stop)
+            break
+        wait_s = time.perf_counter() - t0
+        stats, train_s, overlap_s = train(t, st, batch, step)
+        last = step == steps or bool(st.stop)
+        push = push_weights(t, st, step, last)
+        timings = StepTimings(
+            wait_s=wait_s, overlap_wait_s=overlap_s, train_s=train_s, step_s=time.perf_counter() - t0
+        )
+        report(t, st, step, last, batch, stats, timings, push)
+        st.step = step
+        t.monitor.step_done(step)
+        if st.stop:
+            log.warning("stopping cleanly after step %d of %d: %s", step, steps, st.stop)
+            break
+        if t.cfg.train.save_every and step % t.cfg.train.save_every == 0 and step < steps:
+            save_checkpoint(t, st, False, {"step": step, "weight_version": st.version})
+    finish(t, st)
+
+
+def begin(t: Trainer, st: RunState) -> None:
+    """Push the trainer's weights (the replicas then hold exactly them, verified by checksum), validate them
+    unless restored with a validation, start the mode's stream and the watchdog."""
+    t.sync.push(st.version)
+    st.pushed = st.version
+    if t.lead:
+        if st.restored_from is None or st.val_last is None:
+            st.val_first = st.val_last = t.validator.run(st.version, st.step)
+        from app.ray_compat import progress_bar
+
+        t.bar = progress_bar(total=t.cfg.train.steps, desc="relay train")
+        if st.step:
+            t.bar.update(st.step)
+        t.source.start()
+    t.monitor.start(st.restored_from["step"] if st.restored_from else None)
+    st.t_run = st.t_loop_end = time.perf_counter()  # benchmarks: trained tokens per second of the loop
+
+
+def next_batch(t: Trainer, version: int, more: bool) -> tuple[Batch, str | None]:
+    """Rank 0's next batch and the reason to stop after it (if any), on every rank."""
+    import ray
+
+    batch, stop = None, None
+    if t.lead:
+        batch = t.source.next_batch(version, more)
+        stop = ray.get(t.actors.control.stop_reason.remote(), timeout=30)
+        if not batch.groups:
+            stop = "the training data is exhausted (data.epochs) and every group was trained"
+    return bcast((batch, stop))
+
+
+def train(t: Trainer, st: RunState, batch: Batch, step: int) -> tuple[dict[str, float], float, float]:
+    """One optimizer step on `batch`, then wait for what must end before a push. Returns the step's stats,
+    the training seconds and the seconds waited after training."""
+    t1 = time.perf_counter()
+    t.monitor.phase(f"training step {step}")
+    stats = t.learner.step(batch)
+    train_s = time.perf_counter() - t1
+    if t.lead:  # trained: these groups leave the checkpoint state
+        t.source.ack(batch)
+    count_skipped(t, st, stats, batch, step)
+    if t.lead:
+        t.source.before_push()
+    st.version += 1
+    st.tokens_trained += batch.num_tokens
+    return stats, train_s, time.perf_counter() - t1 - train_s
+
+
+def count_skipped(t: Trainer, st: RunState, stats: dict[str, float], batch: Batch, step: int) -> None:
+    """A step whose loss or gradient was non-finite changed nothing: count it, keep its prompt ids, and end
+    the run past `train.max_skipped_steps`."""
+    if stats["train/skipped_steps"]:
+        st.skipped_total += 1
+        bad = t.run_dir / "nonfinite" / f"step_{step:06d}.json"
+        if t.lead:
+            bad.parent.mkdir(parents=True, exist_ok=True)
+            rec = {"step": step, "grad_norm": stats["actor/grad_norm"], "loss": stats["loss/policy"]}
+            bad.write_text(json.dumps({**rec, "uids": [g.uid for g in batch.groups]}))
+        log.warning(
+            "step %d: non-finite loss or gradient, update skipped (%d so far); prompt ids in %s",
+            step,
+            st.skipped_total,
+            bad,
+        )
+        limit = t.cfg.train.max_skipped_steps
+        if st.skipped_total > limit:
+            raise FloatingPointError(
+                f"{st.skipped_total} steps had a non-finite loss or gradient, over train.max_skipped_steps="
+                f"{limit}; the prompt ids of each such batch are in {bad.parent}. Lower train.lr, check the "
+                "reward and data, or raise the limit"
+            )
+    stats["train/skipped_steps"] = float(st.skipped_total)
+
+
+def push_weights(t: Trainer, st: RunState, step: int, last: bool) -> PushStats | None:
+    """Push the new version if the mode pushes after this step (collective)."""
+    push = None
+    if t.source.should_push(step, last):
+        t.monitor.phase(f"pushing version {st.version}")
+        push = t.sync.push(st.version)
+        st.pushed = st.version
+        if t.lead:
+            t.source.on_push(st.version)
+    st.t_loop_end = time.perf_counter()
+    return push
+
+
+def report(
+    t: Trainer,
+    st: RunState,
+    step: int,
+    last: bool,
+    batch: Batch,
+    stats: dict[str, float],
+    timings: StepTimings,
+    push: PushStats | None,
+) -> None:
+    """Rank 0: metrics to the tracker and Prometheus, the accounting log, validation, progress."""
+    if not t.lead:
+        return
+    m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step)
+    t.tracker.metrics(m, step)
+    t.accounting.append(step, st.version - 1, batch.groups)
+    for k, gauge in PROMETHEUS.items():
+        if k in m:
+            t.prom.set(gauge, m[k])
+    val = t.source.validate(t.validator, step, st.version, st.pushed, last)
+    st.val_last = st.val_last if val is None else val
+    t.bar.update(1)
+    t.bar.set_description(f"relay v{st.version} reward {m['reward/mean']:.2f} val {st.val_last:.2f}")
+    log.info(
+        "step %d: reward %.3f loss %.4f gen %.2fs train %.2fs sync %.3fs staleness %.2f",
+        step,
+        m["reward/mean"],
+        m["loss/policy"],
+        batch.generate_s,
+        timings.train_s,
+        m.get("sync/time_s", 0.0),
+        m["staleness/mean"],
+    )
+
+
+def finish(t: Trainer, st: RunState) -> None:
+    """Stop generating (in-flight groups kept as partial rollouts), push and validate the final weights,
+    save them as an HF model, and checkpoint the whole pipeline: `--resume` continues from there."""
+    t.monitor.phase("finishing: final push, validation and checkpoint")
+    frozen = t.source.snapshot(True) if t.lead else None
+    if t.lead:
+        val = t.source.stop(t.validator, st.step)
+        st.val_last = st.val_last if val is None else val
+    if st.pushed != st.version:  # the data ran out between pushes: the replicas get the final weights too
+        t.sync.push(st.version)
+        st.pushed = st.version
+    if t.lead and t.validator.validated != st.version:
+        st.val_last = t.validator.run(st.version, st.step)
+    final = t.run_dir / "final"
+    t.learner.save_hf(str(final), t.model_path)
+    if t.lead:
+        publish(t, final)
+    summary = summarize(st, final)
+    summary["checkpoint_name"] = save_checkpoint(t, st, True, summary, frozen)
+    t.monitor.stop()
+    if t.lead:
+        (t.run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def publish(t: Trainer, final: Path) -> None:
+    """Rank 0: the final model and the accounting log to the tracker (and its model registry)."""
+    t.tracker.artifact(str(final), "final_checkpoint")
+    if t.cfg.tracking.register_model:
+        t.tracker.register("final_checkpoint", t.cfg.tracking.register_model)
+    if t.accounting.path.exists():
+        t.tracker.artifact(str(t.accounting.path))
+    t.bar.close()
+
+
+def summarize(st: RunState, final: Path) -> dict[str, Any]:
+    """summary.json (the driver's result) from the run's state."""
+    return {
+        "weight_version": st.version,
+        "steps": st.step,
+        "stopped": st.stop,
+        "val_reward_first": st.val_first,
+        "val_reward_last": st.val_last,
+        "train_wall_s": time.perf_counter() - st.t_run,
+        "loop_s": st.t_loop_end - st.t_run,
+        "trained_tokens": st.tokens_trained,
+        "final_checkpoint": str(final.resolve()),
+        "restored_from": st.restored_from,
+    }

@@ -1,0 +1,36 @@
+"""`Trainer`: the pieces one trainer worker runs with, built once by `app.train_worker.train_worker`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.trainer.accounting import TrainedLog
+from app.trainer.comm import Actors
+from app.trainer.monitor import Monitor
+from app.trainer.sources import BatchSource
+from app.trainer.validation import Validator
+
+
+@dataclass(kw_only=True)
+class Trainer:
+    cfg: Any
+    rank: int
+    learner: Any  # app.train_loop.Learner
+    sync: Any  # app.sync.TrainerSync
+    source: BatchSource
+    actors: Actors
+    run_dir: Path
+    model_path: str
+    monitor: Monitor
+    accounting: TrainedLog
+    prom: Any  # app.metrics.Metrics
+    tracker: Any = None  # rank 0: app.tracking.Tracker
+    validator: Validator | None = None  # rank 0
+    bar: Any = None  # rank 0: the progress bar, from the loop's start
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: the rank that talks to the other roles and logs."""
+        return self.rank == 0

@@ -1,0 +1,65 @@
+"""One checkpoint of the whole pipeline, through Ray Train (layout: app/checkpoint.py)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from app import checkpoint
+from app.records import PipelineSnapshot
+from app.trainer.comm import bcast
+from app.trainer.parts import Trainer
+from app.trainer.state import RunState
+
+log = logging.getLogger("app.train")
+
+
+def save_checkpoint(
+    t: Trainer, st: RunState, freeze: bool, metrics: dict[str, Any], snap: PipelineSnapshot | None = None
+) -> str:
+    """Every rank writes its shard; rank 0 adds the counters and the rollout pipeline (`snap`, else a new
+    snapshot, frozen first if `freeze`). Collective; returns the checkpoint's directory name."""
+    import ray.train
+
+    t.monitor.phase(f"saving the checkpoint of step {st.step}")
+    t0 = time.perf_counter()
+    if t.lead and snap is None:
+        snap = t.source.snapshot(freeze)
+    tmp = Path(tempfile.mkdtemp(prefix=f"relay-ckpt-r{t.rank}-"))
+    try:
+        state = st.to_dict(t.cfg.algorithm.mode, t.learner.world)
+        checkpoint.save(t.learner, tmp, t.rank, state, snap.to_dict() if snap is not None else None)
+        name = bcast(f"step_{st.step:06d}_{int(time.time() * 1000)}")
+        ray.train.report(
+            metrics, checkpoint=ray.train.Checkpoint.from_directory(str(tmp)), checkpoint_dir_name=name
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if t.lead:
+        _log_saved(t, st.step, snap, time.perf_counter() - t0)
+    return name
+
+
+def _log_saved(t: Trainer, step: int, snap: PipelineSnapshot, seconds: float) -> None:
+    t.tracker.metrics(
+        {
+            "ckpt/save_s": seconds,
+            "ckpt/queued_groups": len(snap.ready),
+            "ckpt/pending_prompts": len(snap.pending),
+            "ckpt/partial_groups": snap.partial_groups,
+            "ckpt/partial_tokens": snap.partial_tokens,
+        },
+        step,
+    )
+    log.info(
+        "checkpoint of step %d saved in %.2fs: %d queued groups, %d prompts in flight (%d partial)",
+        step,
+        seconds,
+        len(snap.ready),
+        len(snap.pending),
+        snap.partial_groups,
+    )

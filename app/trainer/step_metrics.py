@@ -1,0 +1,84 @@
+"""The metrics of one training step: a pure function of what the step produced (unit tested)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.records import Batch
+from app.sync import PushStats
+from app.train_loop import batch_metrics, staleness
+
+
+@dataclass(kw_only=True)
+class StepTimings:
+    """Seconds spent in one step's phases."""
+
+    wait_s: float  # waiting for the batch
+    overlap_wait_s: float  # after training, waiting for the overlapped generation before the push
+    train_s: float
+    step_s: float  # the whole step: wait, train, push
+
+
+# metric -> Prometheus gauge (the dashboard's view of the last step)
+PROMETHEUS = {
+    "rollout/replicas": "relay_rollout_replicas",
+    "weight/version": "relay_weight_version",
+    "staleness/mean": "relay_staleness_mean",
+    "staleness/max": "relay_staleness_max",
+    "sync/time_s": "relay_sync_seconds",
+    "reward/mean": "relay_reward_mean",
+    "perf/gen_tokens_per_s": "relay_gen_tokens_per_s",
+    "perf/train_tokens_per_s": "relay_train_tokens_per_s",
+    "async/queue_depth": "relay_queue_depth",
+}
+
+
+def step_metrics(
+    stats: dict[str, float],
+    batch: Batch,
+    t: StepTimings,
+    push: PushStats | None,
+    version: int,
+    pushed: int,
+    step: int,
+) -> dict[str, float]:
+    """Metrics of step `step` (1-based) that trained `batch` into weights `version` (`pushed`: the replicas').
+
+    Staleness is counted against `version - 1`, the weights the batch was trained with.
+    """
+    idle = t.wait_s + t.overlap_wait_s
+    m: dict[str, Any] = {**stats, **batch_metrics(batch), **staleness(batch, version - 1), **batch.extra}
+    m.update(
+        {
+            "timing/generate_s": batch.generate_s,
+            "timing/wait_rollout_s": idle,
+            "timing/train_s": t.train_s,
+            "timing/step_s": t.step_s,
+            "async/trainer_idle_ratio": idle / max(t.step_s, 1e-9),
+            "perf/gen_tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
+            "perf/train_tokens_per_s": stats["train/tokens"] / max(t.train_s, 1e-9),
+            "weight/version": version,
+            "weight/pushed_version": pushed,
+        }
+    )
+    if push is not None:
+        m.update(push_metrics(push, step))
+    return m
+
+
+def push_metrics(push: PushStats, step: int) -> dict[str, float]:
+    pauses = [x.get("pause_s", 0.0) for x in push.extra.values()]
+    m = {
+        "sync/time_s": push.total_s + push.ack_s,
+        "sync/gather_s": push.gather_s,
+        "sync/transfer_s": push.transfer_s,
+        "sync/ack_s": push.ack_s,
+        "sync/pause_s": max(pauses, default=0.0),
+        "sync/bytes": float(push.nbytes),
+        "rollout/replicas": float(len(push.extra)),
+    }
+    joins = [x["join_s"] for x in push.extra.values() if "join_s" in x]
+    if joins and step > 1:  # a replica admitted mid-run (the initial ones join at version 0)
+        m["rollout/join_s"] = max(joins)
+    return m
