@@ -1,25 +1,25 @@
-"""Command line: `python -m app train [--config FILE] [--resume PATH] [key=value ...]`, `python -m app config`."""
+"""Command line: `python -m app train [--config FILE] [--resume PATH] [key=value ...]`, `python -m app config`.
+
+`train` prints one line `RESULT {json}` as the very last line of its stdout (a program reads the run's
+outcome from it): Ray is disconnected first, so no worker log line or progress bar can follow it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
+from typing import Any
 
-from app.config import ConfigError, describe, load_config
+from app.config import REFERENCE_PATH, ConfigError, load_config, reference_markdown
+from app.log_filters import configure_logging
 
 log = logging.getLogger("app")
 
 
-def _config_reference() -> str:
-    lines = ["| key | default | what it does |", "|---|---|---|"]
-    for key, default, doc in describe():
-        lines.append(f"| `{key}` | `{json.dumps(default)}` | {doc} |")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app", description="Relay: async RL of LLMs on Ray")
     sub = p.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="run training (the embedded default with no arguments)")
@@ -31,11 +31,44 @@ def main(argv: list[str] | None = None) -> int:
         help="continue from a checkpoint (its directory, or a run directory: its newest checkpoint)",
     )
     tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20")
-    sub.add_parser("config", help="print the config reference (every key, default, meaning)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ref = sub.add_parser(
+        "config", help="print the config reference (every key, default, valid values, meaning)"
+    )
+    ref.add_argument("--write", action="store_true", help=f"write it to {REFERENCE_PATH.name} under docs/")
+    return p
+
+
+def _quiet_progress_bars() -> None:
+    """No progress bars in logs: where stderr is not a terminal, tqdm (the trainer's tqdm_ray bar that the
+    driver draws, vLLM's and HF's bars in the workers, which inherit this environment) stays off. Ray's driver
+    redraws such a bar after every worker log line, so in a log file each line ended in the bar's text."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def _emit_result(payload: dict[str, Any]) -> None:
+    """`RESULT {json}` as the last line of stdout, on a line of its own."""
+    if "ray" in sys.modules:  # stop the log monitor: nothing a worker prints may follow RESULT
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    sys.stderr.flush()
+    # on a terminal a progress bar may have left the cursor mid-line
+    sys.stdout.write(("\n" if sys.stdout.isatty() else "") + "RESULT " + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_logging("INFO")
     if args.cmd == "config":
-        sys.stdout.write(_config_reference() + "\n")
+        if args.write:
+            REFERENCE_PATH.parent.mkdir(parents=True, exist_ok=True)
+            REFERENCE_PATH.write_text(reference_markdown())
+            log.info("wrote %s", REFERENCE_PATH)
+        else:
+            sys.stdout.write(reference_markdown())
         return 0
     try:
         overrides = list(args.overrides)
@@ -45,21 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         log.error("config error: %s", e)
         return 2
+    configure_logging(cfg.log_level)
     if args.print_config:
         from omegaconf import OmegaConf
 
         sys.stdout.write(OmegaConf.to_yaml(cfg))
         return 0
+    _quiet_progress_bars()
     from app.driver import run
 
     try:
         result = run(cfg)
     except Exception as e:
         log.exception("run failed: %s", e)
-        sys.stdout.write("RESULT " + json.dumps({"ok": False, "error": str(e)[:2000]}) + "\n")
+        _emit_result({"ok": False, "error": str(e)[:2000]})
         return 1
-    sys.stdout.write("RESULT " + json.dumps({"ok": True, **result}) + "\n")
-    sys.stdout.flush()
+    _emit_result({"ok": True, **result})
     return 0
 
 

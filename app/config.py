@@ -1,49 +1,151 @@
 """One typed config tree for a Relay run.
 
-Built from dataclasses as an OmegaConf structured config, so an unknown key or a value of the wrong type
-fails at load; `validate()` then checks ranges and choices with messages that name the key and the fix.
+Built from dataclasses as an OmegaConf structured config, so an unknown key, a value of the wrong type or a
+choice outside its `Literal` fails at load; each section's `check()` then verifies its ranges (declared next
+to its fields in `_RANGES`) and cross-field rules with messages that name the key, the value, what is valid
+and the fix. `load_config` returns the validated DictConfig; `typed(cfg)` turns it into the dataclasses.
 Importing this module imports neither torch, Ray nor vLLM.
 
 Precedence: dataclass defaults < `--config FILE.yaml` (or a preset name from `configs/`) < `key=value`.
+YAML (files and `key=value` values) is read with only `true`/`false` as booleans: YAML 1.1 would read
+`off`/`no`/`yes`/`on` as booleans, so `rollout.partial=off` would arrive as false and `no` would pass for it.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
+import importlib.util
+import json
+import math
+import re
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ConfigTypeError, ValidationError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-MODES = ("sync", "one_step_off", "fully_async")
-PARTIAL = ("off", "keep", "resubmit")
-CORRECTIONS = ("none", "tis", "decoupled")
-OVER_BOUND = ("train", "regenerate")
-LOSS_AGG = ("token_mean", "seq_mean")
-KL_KINDS = ("k1", "k3", "low_var_kl")
-TRUNCATION = ("drop", "error")
-BACKENDS = ("auto", "gloo", "nccl")
-SCALING = ("auto", "external")
-DTYPES = ("float32", "bfloat16")
+# Choices are Literal types: OmegaConf (>= 2.4) refuses any other value at load, `typed()` hands out fields
+# typed with them, and each section's check() repeats the membership test for dataclasses built in code.
+Partial = Literal["off", "keep", "resubmit"]
+OverBound = Literal["train", "regenerate"]
+LossAgg = Literal["token_mean", "seq_mean"]
+KlKind = Literal["k1", "k3", "low_var_kl"]
+Truncation = Literal["drop", "error"]
+Backend = Literal["auto", "gloo", "nccl"]
+Scaling = Literal["auto", "external"]
+Dtype = Literal["float32", "bfloat16"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+
+PARTIAL: tuple[str, ...] = get_args(Partial)
+OVER_BOUND: tuple[str, ...] = get_args(OverBound)
+LOSS_AGG: tuple[str, ...] = get_args(LossAgg)
+KL_KINDS: tuple[str, ...] = get_args(KlKind)
+TRUNCATION: tuple[str, ...] = get_args(Truncation)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+SCALING: tuple[str, ...] = get_args(Scaling)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+
+# Registries owned by other modules whose keys are the valid choices of a config key (a new loss or rollout
+# mode is one file plus one registry line there, and selectable here with no edit): `validate` imports the
+# registry module to check the value (torch, never Ray or vLLM), so `import app.config` itself stays light.
+REGISTRIES: dict[str, tuple[str, str]] = {
+    "algorithm.correction": ("app.losses", "LOSSES"),
+    "algorithm.mode": ("app.trainer.sources", "SOURCES"),
+}
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key and what would be valid."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key; every float must also be finite (no nan, no inf)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def holds(self, v: float) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def text(self) -> str:
+        if self.lo is None and self.hi is None:
+            return "finite"
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+def rng(spec: str, why: str = "") -> Range:
+    """`> 0`, `>= 1`, `[0, 1)`, `(0, 1]`, ... or `finite`; `why` says what a value outside would do."""
+    s = spec.replace(" ", "")
+    if s == "finite":
+        return Range(why=why)
+    if s.startswith(">"):
+        return Range(lo=float(s.lstrip(">=")), lo_open=not s.startswith(">="), why=why)
+    m = re.fullmatch(r"([\[(])([-+0-9.e]+),([-+0-9.e]+)([\])])", s)
+    if not m:
+        raise ValueError(f"bad range spec {spec!r}")
+    return Range(float(m[2]), float(m[3]), m[1] == "(", m[4] == ")", why)
+
+
+_TIMEOUT = rng("> 0", "a deadline must be a positive number of seconds")
+_SHARE = rng(">= 0", "a count or a share of the cluster cannot be negative")
+_SEED = rng(">= 0", "seeds are non-negative integers")
+
+
+class _Section:
+    """Checks shared by every config section: Literal choices and the declared `_RANGES`."""
+
+    _RANGES: ClassVar[dict[str, Range]] = {}
+
+    def check(self, prefix: str) -> None:
+        """Raise ConfigError for the first value of this section (keys named `prefix` + field) that is invalid."""
+        hints = _hints(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            key, value = f"{prefix}{f.name}", getattr(self, f.name)
+            if get_origin(hints[f.name]) is Literal:
+                _check_choice(key, value, get_args(hints[f.name]))
+            rule = self._RANGES.get(f.name)
+            if rule is not None and value is not None and not rule.holds(value):  # None: an optional key off
+                default = getattr(type(self)(), f.name)
+                why = f" ({rule.why})" if rule.why else ""
+                raise ConfigError(
+                    f"invalid value for '{key}': {value!r}; must be {rule.text()}{why}. "
+                    f"Set it in that range, e.g. {key}={json.dumps(default)} (the default)"
+                )
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     path: str = "builtin:tiny"
     """A local HF checkpoint folder, or `builtin:tiny` to build (once, cached) the embedded tiny model
     (`builtin:tiny-code`: the same with an ASCII tokenizer, for `builtin:code`)."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Parameter dtype of trainer and replicas: float32 on CPU, bfloat16 on GPU."""
     cache_dir: str = ".cache/relay"
     """Where the embedded model and task are built and cached."""
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     train: str = "builtin:arith"
     """`builtin:arith`, `builtin:code` (small programs with tests, scored in the sandbox), or a .parquet
     (verl layout) / .jsonl (`{"prompt", "answer"}`) file."""
@@ -51,7 +153,7 @@ class DataConfig:
     """Validation split: `builtin:arith` (its held-out split) or a file like `train`."""
     max_prompt_tokens: int = 64
     """Prompts longer than this are handled per `truncation`."""
-    truncation: str = "drop"
+    truncation: Truncation = "drop"
     """`drop`: skip overlong prompts and count them; `error`: fail on the first one, naming its row."""
     val_size: int = 64
     """Number of validation prompts used at each validation."""
@@ -63,9 +165,16 @@ class DataConfig:
     """Passes over the training prompts; 0: unlimited (`train.steps` ends the run). With a limit the run ends
     when the data is exhausted: the last groups drain and are trained (a smaller last batch)."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "max_prompt_tokens": rng(">= 1"),
+        "val_size": rng(">= 1"),
+        "seed": _SEED,
+        "epochs": rng(">= 0", "0: unlimited"),
+    }
+
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(_Section):
     n: int = 8
     """Samples per prompt (the GRPO group)."""
     max_tokens: int = 8
@@ -80,7 +189,7 @@ class RolloutConfig:
     """Maximum replicas; above `min_replicas` Serve autoscales on ongoing requests."""
     target_ongoing_requests: float = 16.0
     """Serve autoscaling target per replica (only used when max_replicas > min_replicas)."""
-    scaling: str = "auto"
+    scaling: Scaling = "auto"
     """auto: Serve autoscales between min_replicas and max_replicas on ongoing requests; external: start
     min_replicas and let an operator scale through Serve's REST API (POST
     /api/v1/applications/<ray.name>-rollout/deployments/rollout/scale)."""
@@ -91,7 +200,7 @@ class RolloutConfig:
     min(max_tokens, MIN x Pareto(ALPHA)) (seeded by prompt id; needs `ignore_eos` so lengths are exact)."""
     max_inflight: int = 32
     """fully_async: prompt groups generating at once (admission control may hold fewer)."""
-    partial: str = "keep"
+    partial: Partial = "keep"
     """What a push does to generations in flight: `keep` freezes them and continues under the new weights
     (KV cache recomputed), `resubmit` aborts them and resubmits prompt + partial response, `off` lets them
     finish under the old weights before loading. Tokens always keep the version that produced them."""
@@ -105,16 +214,54 @@ class RolloutConfig:
     """vLLM context length; must hold `data.max_prompt_tokens + rollout.max_tokens`."""
     kv_cache_gib: float = 1.0
     """KV-cache size per replica on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory a GPU replica may take (weights + KV cache)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of its GPU's memory a GPU replica's vLLM may take (weights + KV cache); null: the replica's
+    GPU share (`replica_gpus` under 1, e.g. 0.4), or 0.9 for a whole GPU."""
     max_num_seqs: int = 256
     """Maximum sequences a replica batches at once."""
     request_timeout_s: float = 120.0
     """Deadline for one generation request."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "n": rng(">= 2", "GRPO needs at least 2 samples per prompt to compare"),
+        "max_tokens": rng(">= 1"),
+        "temperature": rng("> 0", "training rollouts must sample; greedy gives identical group members"),
+        "top_p": rng("(0, 1]"),
+        "min_replicas": rng(">= 1"),
+        "max_replicas": rng(">= 1"),
+        "target_ongoing_requests": rng("> 0"),
+        "max_inflight": rng(">= 1"),
+        "join_timeout_s": _TIMEOUT,
+        "replica_cpus": _SHARE,
+        "replica_gpus": _SHARE,
+        "max_model_len": rng(">= 1"),
+        "kv_cache_gib": rng("> 0", "vLLM needs room for at least one sequence's KV cache"),
+        "gpu_memory_utilization": rng("(0, 1]", "a fraction of the GPU's memory"),
+        "max_num_seqs": rng(">= 1", "0 sequences per batch generates nothing"),
+        "request_timeout_s": _TIMEOUT,
+    }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        try:
+            parse_lengths(self.lengths)
+        except ValueError as e:
+            raise ConfigError(f"invalid value for '{prefix}lengths': {e}") from None
+        _check(
+            f"{prefix}lengths",
+            self.lengths == "fixed" or self.ignore_eos,
+            f"{self.lengths!r}: a length distribution needs {prefix}ignore_eos=true (else EOS ends responses "
+            "early)",
+        )
+        _check(
+            f"{prefix}max_replicas",
+            self.max_replicas >= self.min_replicas,
+            f"{self.max_replicas} is below {prefix}min_replicas={self.min_replicas}; raise it or lower that",
+        )
+
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     steps: int = 60
     """Optimizer steps (= weight versions) of the run."""
     workers: int = 2
@@ -122,7 +269,10 @@ class TrainConfig:
     worker_cpus: float = 1.0
     """Logical CPUs per Ray Train worker."""
     use_gpu: bool = False
-    """Train on GPUs (one per worker, NCCL) instead of CPU (gloo)."""
+    """Train on GPUs (`worker_gpus` per worker, NCCL) instead of CPU (gloo; the workers then see no GPU)."""
+    worker_gpus: float = 1.0
+    """With use_gpu: GPUs per Ray Train worker, 1 or a share of one GPU (e.g. 0.5, next to a replica with
+    rollout.replica_gpus=0.4: one GPU for the whole run, see configs/gpu1.yaml)."""
     batch_groups: int = 16
     """Prompt groups per optimizer step (each of `rollout.n` samples)."""
     micro_batch_size: int = 64
@@ -137,7 +287,7 @@ class TrainConfig:
     """Gradient-norm clipping threshold."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps (0: none)."""
-    backend: str = "auto"
+    backend: Backend = "auto"
     """Default process group of the trainer: gloo on CPU, nccl on GPU."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
@@ -162,9 +312,45 @@ class TrainConfig:
     """Steps with a non-finite loss or gradient are skipped (`train/skipped_steps`); past this many the run
     fails, with the prompt ids of each such batch saved under `<run_dir>/<run>/nonfinite/`."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "steps": rng(">= 1"),
+        "workers": rng(">= 1"),
+        "worker_cpus": _SHARE,
+        "worker_gpus": rng("(0, 1]", "a worker is one FSDP2 rank on one GPU, or a share of one"),
+        "batch_groups": rng(">= 1"),
+        "micro_batch_size": rng(">= 1"),
+        "lr": rng("> 0"),
+        "weight_decay": rng(">= 0", "negative decay pushes weights away from zero"),
+        "grad_clip": rng("> 0", "0 zeroes every gradient and a negative threshold flips it: gradient ascent"),
+        "warmup_steps": rng(">= 0", "0: no warm-up"),
+        "seed": _SEED,
+        "timeout_s": _TIMEOUT,
+        "save_every": rng(">= 0", "0: only when the run ends"),
+        "keep_checkpoints": rng(">= 1"),
+        "max_failures": rng(">= -1", "-1: unlimited"),
+        "stall_timeout_s": _TIMEOUT,
+        "max_skipped_steps": rng(">= 0"),
+    }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        betas = list(self.betas)
+        _check(
+            f"{prefix}betas",
+            len(betas) == 2 and all(math.isfinite(b) and 0 <= b < 1 for b in betas),
+            f"{betas}; must be two numbers in [0, 1) (AdamW's moment decay rates; 1 never forgets, a "
+            f"negative one oscillates), e.g. {prefix}betas=[0.9,0.99]",
+        )
+        _check(
+            f"{prefix}worker_gpus",
+            not self.use_gpu or self.worker_gpus >= 1 or self.workers == 1,
+            f"{self.worker_gpus:g} with {prefix}workers={self.workers}: workers sharing GPUs could land on one "
+            f"GPU, where NCCL cannot put two ranks; use {prefix}worker_gpus=1, or {prefix}workers=1",
+        )
+
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(_Section):
     mode: str = "sync"
     """`sync` (generate with version t, train, push), `one_step_off` (generation of t+1 overlaps training) or
     `fully_async` (groups stream into a bounded queue; staleness bounded by `max_staleness`)."""
@@ -174,7 +360,7 @@ class AlgorithmConfig:
     0 behaves as sync, 1 as one_step_off."""
     sync_every: int = 1
     """fully_async: push weights every this many optimizer steps (needs max_staleness >= sync_every - 1)."""
-    over_bound: str = "train"
+    over_bound: OverBound = "train"
     """A group that still exceeds max_staleness when taken (a straggler): `train` it (with `correction`) or
     `regenerate` its prompt. Either way it is counted (`async/over_bound`); nothing is dropped."""
     correction: str = "none"
@@ -186,36 +372,76 @@ class AlgorithmConfig:
     """PPO ratio clip below: ratios under 1 - clip_low are clipped."""
     clip_high: float = 0.28
     """PPO ratio clip above (DAPO's clip-higher): ratios over 1 + clip_high are clipped."""
-    loss_agg: str = "token_mean"
+    loss_agg: LossAgg = "token_mean"
     """`token_mean` (every token of the batch weighs the same) or `seq_mean` (every sequence does)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the initial policy (0 disables it and the reference model)."""
-    kl_kind: str = "low_var_kl"
+    kl_kind: KlKind = "low_var_kl"
     """KL estimator: `k1`, `k3` or `low_var_kl` (k3 clamped, as verl)."""
     normalize_adv_std: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO); off gives Dr. GRPO."""
     max_log_ratio: float = 20.0
     """Log-ratios are clamped to +-this before exp()."""
+    clip_ratio_c: float | None = None
+    """Dual-clip (verl's default 3.0; None: off): with a negative advantage a token's loss is capped at
+    clip_ratio_c * |A|, so a huge ratio on a bad token cannot dominate the step."""
     val_every: int = 5
     """Validate every this many versions (and at the first and last)."""
     val_temperature: float = 0.0
     """Sampling temperature at validation (0: greedy)."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "max_staleness": rng(">= 0", "0 behaves as sync; an unbounded queue is not a bound"),
+        "sync_every": rng(">= 1"),
+        "is_cap": rng(">= 1", "the truncated importance weight is capped at or above 1"),
+        "clip_low": rng("[0, 1)", "ratios under 1 - clip_low are clipped"),
+        "clip_high": rng(">= 0"),
+        "kl_coef": rng(">= 0", "0 disables the KL penalty"),
+        "max_log_ratio": rng("> 0", "log-ratios are clamped to +-this before exp()"),
+        "clip_ratio_c": rng("> 1", "null turns dual-clip off"),
+        "val_every": rng(">= 1"),
+        "val_temperature": rng(">= 0", "0: greedy"),
+    }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        for name in ("mode", "correction"):
+            key = f"{prefix}{name}"
+            keys = _registry_keys(*REGISTRIES[key])
+            if keys is not None:
+                _check_choice(key, getattr(self, name), keys, f" (the keys of {'.'.join(REGISTRIES[key])})")
+        _check(
+            f"{prefix}max_staleness",
+            self.mode != "fully_async" or self.max_staleness >= self.sync_every - 1,
+            f"{self.max_staleness} < {prefix}sync_every - 1 = {self.sync_every - 1}: between pushes the replicas "
+            "lag the trainer by up to sync_every - 1 versions; raise max_staleness or push more often",
+        )
+
 
 @dataclass
-class SyncConfig:
+class SyncConfig(_Section):
     bucket_mb: float = 256.0
     """Weights are packed into flat buckets of at most this many MiB per broadcast."""
     timeout_s: float = 60.0
     """Deadline of one push: transfer, load and every replica's acknowledgement."""
-    backend: str = "auto"
-    """Transport of the weight group: gloo on CPU, nccl on GPU."""
+    backend: Backend = "auto"
+    """Process-group backend of the weight group: gloo on CPU, nccl on GPU."""
+    transport: str = "auto"
+    """Weight transport (app/sync/transport.py registry): `auto` (`ipc` when trainer and replicas share one
+    GPU, else `broadcast`), `broadcast` (one broadcast per bucket), `ipc` (CUDA IPC handles, trainer and
+    replicas on the same GPU), or a
+    `pkg.module:Name` whose module registers or defines it (imported by the trainer and every vLLM worker)."""
     verify: bool = True
     """Compare every replica's checksum of what it loaded with the trainer's."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "bucket_mb": rng("> 0"),
+        "timeout_s": _TIMEOUT,
+    }
+
 
 @dataclass
-class RewardConfig:
+class RewardConfig(_Section):
     fn: str = "auto"
     """`auto` (per data source), `exact_match`, `gsm8k`, `math` (answer equivalence with math-verify), `code`
     (sandboxed tests), or a dotted path `pkg.module:function`/`pkg.module.function`."""
@@ -233,9 +459,21 @@ class RewardConfig:
     """Score each trajectory the moment it finishes, while the rest generate; false scores a batch after
     all of it is generated (sync and one_step_off; the baseline of bench/reward_overlap.py)."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "timeout_s": _TIMEOUT,
+        "on_error": rng("finite", "it is averaged into rewards and advantages"),
+        "workers": rng(">= 0", "0: score in the rollouter"),
+        "worker_cpus": _SHARE,
+        "max_concurrency": rng(">= 1"),
+    }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        _check_reward_fn(f"{prefix}fn", self.fn)
+
 
 @dataclass
-class RefConfig:
+class RefConfig(_Section):
     workers: int = 0
     """With algorithm.kl_coef > 0: Ray actors holding the frozen initial policy that compute reference
     log-probs of finished trajectories in the pipeline, before they reach the trainer; 0 keeps a frozen
@@ -245,9 +483,15 @@ class RefConfig:
     worker_gpus: float = 0.0
     """GPUs per reference worker (0: CPU)."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "workers": rng(">= 0", "0: the trainer keeps the reference"),
+        "worker_cpus": _SHARE,
+        "worker_gpus": _SHARE,
+    }
+
 
 @dataclass
-class ResourcesConfig:
+class ResourcesConfig(_Section):
     """Shares of the cluster by role. Each value is a count (>= 1) or a fraction of the cluster's total
     (< 1); 0 leaves the role's own per-worker settings as they are. Resolved against the Ray cluster at
     start (app/resources.py), which refuses a plan that does not fit."""
@@ -267,9 +511,22 @@ class ResourcesConfig:
     ref_cpus: float = 0.0
     """CPUs of the reference workers, split over ref.workers (sets ref.worker_cpus)."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {
+        name: _SHARE
+        for name in (
+            "rollout_gpus",
+            "train_gpus",
+            "ref_gpus",
+            "rollout_cpus",
+            "train_cpus",
+            "reward_cpus",
+            "ref_cpus",
+        )
+    }
+
 
 @dataclass
-class TrackingConfig:
+class TrackingConfig(_Section):
     uri: str = ""
     """MLflow tracking URI; empty means a local store under `run_dir`/mlruns."""
     experiment: str = "relay"
@@ -281,9 +538,11 @@ class TrackingConfig:
     register_model: str = ""
     """If set, register the final checkpoint in the MLflow model registry under this name (a new version)."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {"log_samples": rng(">= 0", "0: no sample table")}
+
 
 @dataclass
-class RayConfig:
+class RayConfig(_Section):
     address: str = ""
     """Ray address; empty starts (or joins) a local cluster."""
     num_cpus: int = 16
@@ -291,9 +550,11 @@ class RayConfig:
     name: str = "relay"
     """Prefix of this run's Serve application and named actors, so several runs can share a cluster."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {"num_cpus": rng(">= 1", "a cluster without CPUs runs nothing")}
+
 
 @dataclass
-class RelayConfig:
+class RelayConfig(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -309,10 +570,33 @@ class RelayConfig:
     """Where run outputs go (MLflow store, resolved config, final checkpoint)."""
     seed: int = 0
     """Global seed (model build, sampling seeds)."""
+    log_level: LogLevel = "INFO"
+    """Python log level of the driver and the roles (Ray workers get it as RELAY_LOG_LEVEL; roles apply it
+    with app/log_filters.py `configure_logging()`). vLLM's own level is VLLM_LOGGING_LEVEL (WARNING)."""
 
+    _RANGES: ClassVar[dict[str, Range]] = {"seed": _SEED}
 
-class ConfigError(ValueError):
-    """A config key or value is wrong; the message names the key and what would be valid."""
+    def check(self, prefix: str = "") -> None:
+        """Check every section, then the rules that span sections."""
+        super().check(prefix)
+        for f in fields(self):
+            section = getattr(self, f.name)
+            if isinstance(section, _Section):
+                section.check(f"{prefix}{f.name}.")
+        budget = self.data.max_prompt_tokens + self.rollout.max_tokens
+        _check(
+            f"{prefix}rollout.max_model_len",
+            self.rollout.max_model_len >= budget,
+            f"{self.rollout.max_model_len} < data.max_prompt_tokens + rollout.max_tokens "
+            f"({self.data.max_prompt_tokens} + {self.rollout.max_tokens}); raise it or lower those",
+        )
+        _check(
+            f"{prefix}data.train",
+            not (self.model.path == "builtin:tiny" and "builtin:code" in (self.data.train, self.data.val)),
+            "builtin:code needs a tokenizer that can write programs: model.path=builtin:tiny-code (the tiny "
+            "model with an ASCII tokenizer; `--config code` sets it up) or a real instruction-tuned model; "
+            "the arithmetic tiny model's tokenizer only knows digits and a few letters",
+        )
 
 
 def _keys(cls: type, prefix: str = "") -> list[str]:
@@ -329,6 +613,49 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
 ALL_KEYS = _keys(RelayConfig)
 
 
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _leaf(key: str) -> tuple[type, str] | None:
+    """(section class, field name) of a dotted leaf key, or None if there is no such key."""
+    cls: type = RelayConfig
+    *path, name = key.split(".")
+    for part in path:
+        hint = _hints(cls).get(part)
+        if not (isinstance(hint, type) and is_dataclass(hint)):
+            return None
+        cls = hint
+    return (cls, name) if name in _hints(cls) else None
+
+
+def choices(key: str) -> tuple[Any, ...]:
+    """The Literal choices of `key` (empty if it is not a choice)."""
+    leaf = _leaf(key)
+    hint = _hints(leaf[0])[leaf[1]] if leaf else None
+    return get_args(hint) if get_origin(hint) is Literal else ()
+
+
+def constraint(key: str) -> str:
+    """What `key` accepts, in words (for the reference): its choices, its range, or ''."""
+    leaf = _leaf(key)
+    if leaf is None:
+        return ""
+    if choices(key):
+        return ", ".join(f"`{c}`" for c in choices(key))
+    rule = getattr(leaf[0], "_RANGES", {}).get(leaf[1])
+    if rule is not None:
+        return rule.text()
+    return "true, false" if _hints(leaf[0])[leaf[1]] is bool else ""
+
+
+def _did_you_mean(word: str, options: Any) -> str:
+    by_lower = {str(o).lower(): str(o) for o in options}  # `info` is a near miss of `INFO`
+    close = difflib.get_close_matches(str(word).lower(), list(by_lower), n=3, cutoff=0.6)
+    close = [by_lower[c] for c in close]
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 def _explain(exc: Exception, key: str | None = None) -> ConfigError:
     key = key or getattr(exc, "full_key", None) or "?"
     msg = str(exc).split("\n")[0]
@@ -338,12 +665,24 @@ def _explain(exc: Exception, key: str | None = None) -> ConfigError:
         valid = [k for k in ALL_KEYS if k.rsplit(".", 1)[0] == section and k.count(".") == key.count(".")]
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         return ConfigError(f"unknown config key '{key}'.{hint} Valid keys here: {', '.join(valid)}")
+    got = re.match(r"Invalid value '(.*)', expected one of", msg)
+    if got and choices(key):  # OmegaConf's Literal check: name the choices our way
+        value = got[1]
+        return ConfigError(_choice_message(key, value, choices(key)))
     return ConfigError(f"invalid value for '{key}': {msg}")
 
 
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"invalid value for '{key}': {value!r}; choose one of {', '.join(choices)}")
+def _choice_message(key: str, value: Any, valid: tuple[Any, ...], where: str = "") -> str:
+    return (
+        f"invalid value for '{key}': {value!r}; choose exactly one of {', '.join(map(str, valid))}{where}"
+        f"{_did_you_mean(value, valid)}"
+    )
+
+
+def _check_choice(key: str, value: Any, valid: tuple[Any, ...], where: str = "") -> None:
+    # exact membership: YAML's `no`/`false` must not pass for `off`, nor 1 for "1"
+    if not any(type(value) is type(c) and value == c for c in valid):
+        raise ConfigError(_choice_message(key, value, valid, where))
 
 
 def _check(key: str, ok: bool, what: str) -> None:
@@ -351,93 +690,49 @@ def _check(key: str, ok: bool, what: str) -> None:
         raise ConfigError(f"invalid value for '{key}': {what}")
 
 
-def validate(cfg: RelayConfig | DictConfig) -> None:
-    """Range and choice checks that types alone cannot express."""
-    _check_choice("algorithm.mode", cfg.algorithm.mode, MODES)
-    _check_choice("algorithm.correction", cfg.algorithm.correction, CORRECTIONS)
-    _check_choice("algorithm.over_bound", cfg.algorithm.over_bound, OVER_BOUND)
-    _check_choice("rollout.partial", cfg.rollout.partial, PARTIAL)
-    _check("algorithm.max_staleness", cfg.algorithm.max_staleness >= 0, "must be >= 0")
-    _check("algorithm.sync_every", cfg.algorithm.sync_every >= 1, "must be >= 1")
-    _check(
-        "algorithm.max_staleness",
-        cfg.algorithm.mode != "fully_async" or cfg.algorithm.max_staleness >= cfg.algorithm.sync_every - 1,
-        f"{cfg.algorithm.max_staleness} < algorithm.sync_every - 1 = {cfg.algorithm.sync_every - 1}: between "
-        "pushes the replicas lag the trainer by up to sync_every - 1 versions; raise max_staleness or push "
-        "more often",
-    )
-    _check("algorithm.is_cap", cfg.algorithm.is_cap >= 1, "must be >= 1")
+def _registry_keys(module: str, attr: str) -> tuple[str, ...] | None:
+    """Keys of the registry `module.attr` (imported on first use: torch, never Ray or vLLM).
+
+    None only where the module cannot be imported at all; its users then report that themselves.
+    """
     try:
-        parse_lengths(cfg.rollout.lengths)
+        mod = sys.modules.get(module) or importlib.import_module(module)
+    except ImportError:
+        return None
+    keys = getattr(mod, attr, None)
+    return tuple(keys) if isinstance(keys, Mapping) else None
+
+
+def _check_reward_fn(key: str, spec: str) -> None:
+    """Resolve `reward.fn` now, so a typo fails before Ray and vLLM start (a dotted path is imported)."""
+    from app import rewards
+
+    try:
+        rewards.resolve_reward_fn(spec)
     except ValueError as e:
-        raise ConfigError(f"invalid value for 'rollout.lengths': {e}") from None
-    _check(
-        "rollout.lengths",
-        cfg.rollout.lengths == "fixed" or cfg.rollout.ignore_eos,
-        "a length distribution needs rollout.ignore_eos=true (else EOS ends responses early)",
-    )
-    _check("rollout.max_inflight", cfg.rollout.max_inflight >= 1, "must be >= 1")
-    _check("data.epochs", cfg.data.epochs >= 0, "must be >= 0 (0: unlimited)")
-    _check(
-        "data.train",
-        not (cfg.model.path == "builtin:tiny" and "builtin:code" in (cfg.data.train, cfg.data.val)),
-        "builtin:code needs a tokenizer that can write programs: model.path=builtin:tiny-code (the tiny "
-        "model with an ASCII tokenizer; `--config code` sets it up) or a real instruction-tuned model; "
-        "the arithmetic tiny model's tokenizer only knows digits and a few letters",
-    )
-    _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGG)
-    _check_choice("algorithm.kl_kind", cfg.algorithm.kl_kind, KL_KINDS)
-    _check_choice("data.truncation", cfg.data.truncation, TRUNCATION)
-    _check_choice("train.backend", cfg.train.backend, BACKENDS)
-    _check_choice("sync.backend", cfg.sync.backend, BACKENDS)
-    _check_choice("model.dtype", cfg.model.dtype, DTYPES)
-    _check("train.steps", cfg.train.steps >= 1, f"{cfg.train.steps}; must be >= 1")
-    _check("train.workers", cfg.train.workers >= 1, f"{cfg.train.workers}; must be >= 1")
-    _check("train.batch_groups", cfg.train.batch_groups >= 1, f"{cfg.train.batch_groups}; must be >= 1")
-    _check("train.micro_batch_size", cfg.train.micro_batch_size >= 1, "must be >= 1")
-    _check("train.lr", cfg.train.lr > 0, f"{cfg.train.lr}; must be > 0")
-    _check("train.save_every", cfg.train.save_every >= 0, "must be >= 0 (0: only at the end)")
-    _check("train.keep_checkpoints", cfg.train.keep_checkpoints >= 1, "must be >= 1")
-    _check("train.max_failures", cfg.train.max_failures >= -1, "must be >= 0 (or -1: unlimited)")
-    _check("train.stall_timeout_s", cfg.train.stall_timeout_s > 0, "must be > 0")
-    _check("train.max_skipped_steps", cfg.train.max_skipped_steps >= 0, "must be >= 0")
-    _check("train.betas", len(cfg.train.betas) == 2, "must be two numbers, e.g. [0.9,0.99]")
-    _check("rollout.n", cfg.rollout.n >= 2, f"{cfg.rollout.n}; GRPO needs at least 2 samples per prompt")
-    _check("rollout.max_tokens", cfg.rollout.max_tokens >= 1, "must be >= 1")
-    _check("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for training rollouts")
-    _check("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "must be in (0, 1]")
-    _check("rollout.min_replicas", cfg.rollout.min_replicas >= 1, "must be >= 1")
-    _check_choice("rollout.scaling", cfg.rollout.scaling, SCALING)
-    _check("rollout.join_timeout_s", cfg.rollout.join_timeout_s > 0, "must be > 0")
-    _check(
-        "rollout.max_replicas",
-        cfg.rollout.max_replicas >= cfg.rollout.min_replicas,
-        f"{cfg.rollout.max_replicas} is below rollout.min_replicas={cfg.rollout.min_replicas}",
-    )
-    _check(
-        "rollout.max_model_len",
-        cfg.rollout.max_model_len >= cfg.data.max_prompt_tokens + cfg.rollout.max_tokens,
-        f"{cfg.rollout.max_model_len} < data.max_prompt_tokens + rollout.max_tokens "
-        f"({cfg.data.max_prompt_tokens} + {cfg.rollout.max_tokens}); raise it or lower those",
-    )
-    _check("algorithm.clip_low", 0 <= cfg.algorithm.clip_low < 1, "must be in [0, 1)")
-    _check("algorithm.clip_high", cfg.algorithm.clip_high >= 0, "must be >= 0")
-    _check("algorithm.kl_coef", cfg.algorithm.kl_coef >= 0, "must be >= 0")
-    _check("algorithm.val_every", cfg.algorithm.val_every >= 1, "must be >= 1")
-    _check("sync.bucket_mb", cfg.sync.bucket_mb > 0, "must be > 0")
-    _check("sync.timeout_s", cfg.sync.timeout_s > 0, "must be > 0")
-    _check("reward.timeout_s", cfg.reward.timeout_s > 0, "must be > 0")
-    _check("reward.workers", cfg.reward.workers >= 0, "must be >= 0 (0: score in the rollouter)")
-    _check("reward.max_concurrency", cfg.reward.max_concurrency >= 1, "must be >= 1")
-    _check("ref.workers", cfg.ref.workers >= 0, "must be >= 0 (0: the trainer keeps the reference)")
-    for f in fields(ResourcesConfig):
-        _check(
-            f"resources.{f.name}",
-            getattr(cfg.resources, f.name) >= 0,
-            "must be >= 0 (a count or a share < 1)",
-        )
-    _check("data.max_prompt_tokens", cfg.data.max_prompt_tokens >= 1, "must be >= 1")
-    _check("data.val_size", cfg.data.val_size >= 1, "must be >= 1")
+        names = ["auto", *getattr(rewards, "BUILTINS", {})]
+        hint = _did_you_mean(spec, names)
+        module, sep, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+        if not hint and sep and module in sys.modules:  # a near miss of a function in an importable module
+            hint = _did_you_mean(attr, [n for n in dir(sys.modules[module]) if not n.startswith("_")])
+            hint = hint.replace("did you mean ", f"did you mean {module}{sep}")
+        raise ConfigError(f"invalid value for '{key}': {e}{hint}") from None
+
+
+def validate(cfg: RelayConfig | DictConfig) -> None:
+    """Every section's checks (choices, ranges, cross-field rules); raises ConfigError naming key and fix."""
+    (cfg if isinstance(cfg, RelayConfig) else typed(cfg)).check()
+
+
+def typed(cfg: DictConfig | Mapping[str, Any]) -> RelayConfig:
+    """The config as real dataclasses (`cfg.train` a TrainConfig, choices typed as Literals).
+
+    Takes `load_config`'s DictConfig, or a plain dict such as `to_container(cfg)` (what roles receive), which
+    is merged over the defaults. Does not validate: `load_config` already did.
+    """
+    if not (isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is RelayConfig):
+        cfg = OmegaConf.merge(OmegaConf.structured(RelayConfig), cfg)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
 def parse_lengths(spec: str) -> tuple[float, int] | None:
@@ -451,54 +746,99 @@ def parse_lengths(spec: str) -> tuple[float, int] | None:
         alpha, low = float(parts[1]), int(parts[2])
     except ValueError:
         raise ValueError(f"{spec!r}; use `fixed` or `pareto:ALPHA:MIN` (e.g. pareto:1.2:4)") from None
-    if alpha <= 0 or low < 1:
-        raise ValueError(f"{spec!r}: ALPHA must be > 0 and MIN >= 1")
+    if not (alpha > 0 and math.isfinite(alpha)) or low < 1:
+        raise ValueError(f"{spec!r}: ALPHA must be a finite number > 0 and MIN >= 1")
     return alpha, low
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans (only true/false), floats without a dot (1e-3), no timestamps, and
+    duplicate keys refused.
+
+    YAML 1.1 reads `off`, `no`, `on`, `yes` as booleans: `rollout.partial: off` arrived as false, and a
+    fix-up that read false back as "off" let `partial: no` pass too. Bool fields still accept those words
+    (OmegaConf converts the strings), so only strings change: they stay exactly as written.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_BOOL, _FLOAT, _TIME = ("tag:yaml.org,2002:" + t for t in ("bool", "float", "timestamp"))
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL, _TIME)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_YamlLoader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
 def _resolve_config_file(name: str) -> Path:
     p = Path(name)
-    if p.exists():
+    if p.is_file():
         return p
     for cand in (CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"):
-        if cand.exists():
+        if cand.is_file():
             return cand
     presets = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.exists() else []
-    raise ConfigError(
-        f"config file '{name}' not found; give a path or one of the presets: {', '.join(presets)}"
-    )
+    what = "is a directory, not a file" if p.is_dir() else "not found"
+    raise ConfigError(f"config file '{name}' {what}; give a path or one of the presets: {', '.join(presets)}")
+
+
+def _layers(config_file: str | None, overrides: list[str]) -> list[tuple[str, DictConfig]]:
+    """The config file and each `key=value` as OmegaConf layers, read with `_YamlLoader`."""
+    layers: list[tuple[str, DictConfig]] = []
+    if config_file:
+        path = _resolve_config_file(config_file)
+        try:
+            data = _yaml(path.read_text(encoding="utf-8")) or {}
+        except Exception as e:  # a YAML syntax error, a duplicate key
+            raise ConfigError(f"cannot parse config file {path}: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {path} must be a mapping of sections (e.g. `train:`), not {data!r:.80}"
+            )
+        layers.append((str(path), OmegaConf.create(data)))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=20)")
+        key, raw = item.split("=", 1)
+        if key not in ALL_KEYS:
+            raise _explain(ConfigKeyError(f"Key '{key}' not in struct"), key)
+        try:
+            layer = OmegaConf.create()
+            OmegaConf.update(layer, key, _yaml(raw) if raw.strip() else raw)  # `key=` is the empty string
+        except Exception as e:
+            raise ConfigError(f"cannot parse override '{item}': {e}") from e
+        layers.append((item, layer))
+    return layers
 
 
 def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Defaults < config file < `key=value` overrides, validated. Raises ConfigError with a helpful message."""
     cfg = OmegaConf.structured(RelayConfig)
-    layers: list[tuple[str, Any]] = []
-    if config_file:
-        path = _resolve_config_file(config_file)
-        try:
-            layers.append((str(path), OmegaConf.load(path)))
-        except Exception as e:  # a YAML syntax error
-            raise ConfigError(f"cannot parse config file {path}: {e}") from e
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=20)")
-        key = item.split("=", 1)[0]
-        if key not in ALL_KEYS:
-            raise _explain(ConfigKeyError(f"Key '{key}' not in struct"), key)
-        try:
-            layers.append((item, OmegaConf.from_dotlist([item])))
-        except Exception as e:
-            raise ConfigError(f"cannot parse override '{item}': {e}") from e
-    for source, layer in layers:
+    for source, layer in _layers(config_file, list(overrides or [])):
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except (ConfigKeyError, ValidationError, ConfigTypeError) as e:
             err = _explain(e)
             raise ConfigError(f"{err} (from {source})") from e
-    if cfg.rollout.partial in ("False", "false"):  # YAML reads a bare `off` as false
-        cfg.rollout.partial = "off"
     validate(cfg)
-    return cfg
+    return cfg  # type: ignore[return-value]
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:
@@ -548,3 +888,27 @@ def describe() -> list[tuple[str, Any, str]]:
 
     walk(RelayConfig, "")
     return out
+
+
+REFERENCE_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+
+
+def reference_markdown() -> str:
+    """docs/config.md: every key, its default, what it accepts and what it does (`python -m app config`)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from app/config.py by `python -m app config --write`; do not edit by hand. -->",
+        "",
+        "Every key of the config tree, its default, the values it accepts and what it does. Set keys in a YAML",
+        "file (`--config FILE.yaml` or a preset from `configs/`) or as `key=value` overrides; an unknown key or",
+        "an invalid value fails at load, naming the key, the value, what is valid and the fix. Choices are",
+        "matched exactly (`rollout.partial=off`; YAML's `no`/`false` are not `off`), and every number must be",
+        "finite.",
+        "",
+        "| key | default | valid | what it does |",
+        "|---|---|---|---|",
+    ]
+    for key, default, doc in describe():
+        lines.append(f"| `{key}` | `{json.dumps(default)}` | {constraint(key)} | {doc} |")
+    return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 SUPPORTED = (".jsonl", ".parquet")
 _JSONL_FORMAT = (
     "each line must be a JSON object with 'prompt' (a string or a list of {'role', 'content'} messages) "
-    "and 'answer'"
+    "and 'answer', or a verl-layout record ('prompt' messages, 'reward_model': {'ground_truth'})"
 )
 _PARQUET_FORMAT = (
     "expected verl columns 'prompt' (chat messages), 'reward_model' (struct with 'ground_truth') and "
@@ -42,6 +42,10 @@ class DataError(ValueError):
     """A dataset file that cannot be used; the message names the file, the row and the fix."""
 
 
+def _where(path: Path, row: int, line: int | None) -> str:
+    return f"{path} row {row}" + (f" (line {line})" if line is not None else "")
+
+
 def _check_prompt(prompt: Any, where: str, fmt: str) -> str | list[dict]:
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -55,6 +59,8 @@ def _check_prompt(prompt: Any, where: str, fmt: str) -> str | list[dict]:
                 raise DataError(f"{where}: prompt message {i} has no string 'role' ({fmt})")
             if not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: prompt message {i} has no string 'content' ({fmt})")
+            if not m["content"].strip():  # a blank turn renders as an empty chat message: a broken row
+                raise DataError(f"{where}: prompt message {i} ({m['role']}) has blank 'content' ({fmt})")
         return [dict(m) for m in prompt]
     raise DataError(f"{where}: 'prompt' is a {type(prompt).__name__}, not a string or message list ({fmt})")
 
@@ -79,7 +85,51 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def _jsonl_records(path: Path):
+def _answer(rec: Mapping, where: str, fmt: str) -> tuple[Any, str]:
+    """The reference answer and the key it came from: verl's `reward_model.ground_truth`, else `answer`."""
+    if rec.get("reward_model") is not None or ("reward_model" in rec and "answer" not in rec):
+        rm = rec["reward_model"]
+        if not isinstance(rm, Mapping) or rm.get("ground_truth") is None:
+            raise DataError(f"{where}: 'reward_model' has no 'ground_truth' ({fmt})")
+        return rm["ground_truth"], "reward_model.ground_truth"
+    if "answer" not in rec:
+        raise DataError(f"{where}: missing key 'answer' ({fmt})")
+    return rec["answer"], "answer"
+
+
+def normalize_row(rec: Any, path: str | Path, row: int, line: int | None = None) -> PromptRow:
+    """One raw record of a prompt file (a parsed JSON line, or a parquet row as a dict) as a checked PromptRow.
+
+    Both layouts, in either file type: plain `{"prompt", "answer"}` and verl's (`prompt` chat messages,
+    `reward_model.ground_truth`, `data_source`, optional `extra_info.index`). The uid is the record's
+    id/uid/extra_info.index, else "{stem}:{row}"; data_source defaults to the file stem. `row` is the
+    0-based row number, `line` the 1-based JSONL line if any. Raises DataError naming the file, the row
+    (and line) and the fix. Uniqueness of ids across rows is the caller's check (load_rows).
+    """
+    p = Path(path)
+    where = _where(p, row, line)
+    fmt = _JSONL_FORMAT if p.suffix.lower() == ".jsonl" else _PARQUET_FORMAT
+    if not isinstance(rec, Mapping):
+        raise DataError(f"{where}: a JSON {type(rec).__name__}, not an object; {fmt}")
+    if "prompt" not in rec:
+        raise DataError(f"{where}: missing key 'prompt' ({fmt})")
+    answer, key = _answer(rec, where, fmt)
+    extra = rec.get("extra_info")
+    index = extra.get("index") if isinstance(extra, Mapping) else None
+    uid = _optional_str(_first(rec.get("id"), rec.get("uid"), index), where, "id", fmt)
+    source = rec.get("data_source")
+    if source is not None and not isinstance(source, str):
+        raise DataError(f"{where}: 'data_source' must be a string, got {source!r:.80}")
+    return PromptRow(
+        uid=uid if uid is not None else f"{p.stem}:{row}",
+        prompt=_check_prompt(rec["prompt"], where, fmt),
+        answer=_check_answer(answer, where, key, fmt),
+        data_source=source or p.stem,
+        index=row,
+    )
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
@@ -88,25 +138,17 @@ def _jsonl_records(path: Path):
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"{path} row {row} (line {lineno})"
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); {_JSONL_FORMAT}") from e
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: a JSON {type(rec).__name__}, not an object; {_JSONL_FORMAT}")
-        for key in ("prompt", "answer"):
-            if key not in rec:
-                raise DataError(f"{where}: missing key {key!r} ({_JSONL_FORMAT})")
-        uid = _optional_str(_first(rec.get("id"), rec.get("uid")), where, "id", _JSONL_FORMAT)
-        source = rec.get("data_source")
-        if source is not None and not isinstance(source, str):
-            raise DataError(f"{where}: 'data_source' must be a string, got {source!r:.80}")
-        yield row, where, rec["prompt"], rec["answer"], "answer", uid, source
+            raise DataError(
+                f"{_where(path, row, lineno)}: invalid JSON ({e.msg} at column {e.colno}); {_JSONL_FORMAT}"
+            ) from e
+        yield row, lineno, rec
         row += 1
 
 
-def _parquet_records(path: Path):
+def _parquet_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     try:
         import pyarrow.parquet as pq
 
@@ -114,61 +156,51 @@ def _parquet_records(path: Path):
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
     cols = set(table.column_names)
-    verl = "reward_model" in cols
-    if "prompt" not in cols or not (verl or "answer" in cols):
+    if "prompt" not in cols or not ({"reward_model", "answer"} & cols):
         raise DataError(f"{path}: columns {sorted(cols)}; {_PARQUET_FORMAT}")
     for row, rec in enumerate(table.to_pylist()):
-        where = f"{path} row {row}"
-        if verl:
-            rm = rec["reward_model"]
-            if not isinstance(rm, Mapping) or rm.get("ground_truth") is None:
-                raise DataError(f"{where}: 'reward_model' has no 'ground_truth' ({_PARQUET_FORMAT})")
-            answer, key = rm["ground_truth"], "reward_model.ground_truth"
-        else:
-            answer, key = rec["answer"], "answer"
-        extra = rec.get("extra_info")
-        index = extra.get("index") if isinstance(extra, Mapping) else None
-        uid = _optional_str(_first(rec.get("id"), rec.get("uid"), index), where, "id", _PARQUET_FORMAT)
-        source = rec.get("data_source")
-        if source is not None and not isinstance(source, str):
-            raise DataError(f"{where}: 'data_source' must be a string, got {source!r:.80}")
-        yield row, where, rec["prompt"], answer, key, uid, source
+        yield row, None, rec
 
 
-def load_rows(path: str) -> list[PromptRow]:
-    """Load and validate every row of a `.jsonl` or `.parquet` prompt file; raises DataError.
-
-    `.jsonl`: one object per line with "prompt" (string or chat messages) and "answer" (string or
-    number); optional "id"/"uid" and "data_source" (default: the file stem). `.parquet`: verl layout
-    (`prompt` messages, `reward_model.ground_truth`, `data_source`, optional `extra_info.index`) or
-    plain `prompt` + `answer` columns. The uid is the row's id/uid/extra_info.index, else "{stem}:{row}".
-    """
+def check_path(path: str) -> Path:
+    """The prompt file as a Path, or DataError: a directory, not a regular file, missing, unknown format."""
     p = Path(path)
+    where = "check data.train / data.val (relative to the working dir)"
+    if p.is_dir():
+        raise DataError(
+            f"{path}: is a directory, not a file; point data.train / data.val at a .jsonl or .parquet file"
+        )
+    if p.exists() and not p.is_file():
+        raise DataError(f"{path}: not a regular file (a pipe, socket or device); {where}")
     if p.suffix.lower() not in SUPPORTED:
         raise DataError(f"{path}: unsupported extension {p.suffix!r}; supported: {', '.join(SUPPORTED)}")
     if not p.is_file():
-        raise DataError(f"{path}: file not found; check data.train / data.val (relative to the working dir)")
+        raise DataError(f"{path}: file not found; {where}")
+    return p
+
+
+def load_rows(path: str) -> list[PromptRow]:
+    """Load and validate every row of a `.jsonl` or `.parquet` prompt file (see normalize_row); raises DataError.
+
+    `.jsonl`: one object per line with "prompt" (string or chat messages) and "answer" (string or
+    number), or a verl-layout record; optional "id"/"uid" and "data_source" (default: the file stem).
+    `.parquet`: verl layout (`prompt` messages, `reward_model.ground_truth`, `data_source`, optional
+    `extra_info.index`) or plain `prompt` + `answer` columns.
+    """
+    p = check_path(path)
     is_jsonl = p.suffix.lower() == ".jsonl"
-    records = _jsonl_records(p) if is_jsonl else _parquet_records(p)
-    fmt = _JSONL_FORMAT if is_jsonl else _PARQUET_FORMAT
     rows: list[PromptRow] = []
     seen: dict[str, int] = {}
-    for row, where, prompt, answer, key, uid, source in records:
-        uid = uid if uid is not None else f"{p.stem}:{row}"
-        if uid in seen:
-            raise DataError(f"{where}: duplicate id {uid!r} (also row {seen[uid]}); ids must be unique")
-        seen[uid] = row
-        rows.append(
-            PromptRow(
-                uid=uid,
-                prompt=_check_prompt(prompt, where, fmt),
-                answer=_check_answer(answer, where, key, fmt),
-                data_source=source or p.stem,
-                index=row,
+    for row, line, rec in _jsonl_records(p) if is_jsonl else _parquet_records(p):
+        r = normalize_row(rec, p, row, line)
+        if r.uid in seen:
+            raise DataError(
+                f"{_where(p, row, line)}: duplicate id {r.uid!r} (also row {seen[r.uid]}); ids must be unique"
             )
-        )
+        seen[r.uid] = row
+        rows.append(r)
     if not rows:
-        raise DataError(f"{path}: no rows; {fmt}")
+        raise DataError(f"{path}: no rows; {_JSONL_FORMAT if is_jsonl else _PARQUET_FORMAT}")
     return rows
 
 
@@ -225,3 +257,9 @@ def filter_overlong(
             max_tokens,
         )
     return kept, dropped
+
+
+def check_file(path: str) -> None:
+    """Fail early, before a run starts, on a prompt file that is missing or of an unknown format (the rows
+    themselves are validated where they are read: in the rollouter, through Ray Data)."""
+    check_path(path)

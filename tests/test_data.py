@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import DataError, PromptRow, filter_overlong, load_rows, render_prompt
+from app.data import DataError, PromptRow, filter_overlong, load_rows, normalize_row, render_prompt
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
 
@@ -67,6 +67,45 @@ def test_parquet_verl_without_index(tmp_path):
     assert [r.uid for r in rows] == ["t:0", "t:1", "t:2"]
 
 
+def test_jsonl_verl_layout_loads_like_parquet(tmp_path):
+    """verl rows written as JSON lines give the same PromptRows as the same rows in parquet."""
+    parquet = load_rows(write_verl_parquet(tmp_path / "gsm8k.parquet"))
+    recs = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"q{i}"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(10 + i)},
+            "extra_info": {"split": "train", "index": 100 + i},
+        }
+        for i in range(3)
+    ]
+    assert load_rows(write_jsonl(tmp_path / "gsm8k.jsonl", recs)) == parquet
+    with pytest.raises(
+        DataError, match=r"gsm8k\.jsonl row 0 \(line 1\): 'reward_model' has no 'ground_truth'"
+    ):
+        load_rows(write_jsonl(tmp_path / "gsm8k.jsonl", [{**recs[0], "reward_model": {"style": "rule"}}]))
+
+
+def test_normalize_row_is_the_per_record_check(tmp_path):
+    """The one function a streaming reader calls per record: same rules, file and row in every error."""
+    row = normalize_row({"prompt": MSGS, "answer": 4}, tmp_path / "s.jsonl", 7, line=9)
+    assert row == PromptRow("s:7", MSGS, "4", "s", 7)
+    verl = {
+        "prompt": MSGS,
+        "reward_model": {"ground_truth": "4"},
+        "data_source": "d",
+        "extra_info": {"index": 3},
+    }
+    assert normalize_row(verl, "x.parquet", 0) == PromptRow("3", MSGS, "4", "d", 0)
+    with pytest.raises(DataError, match=r"^x\.parquet row 5: prompt message 1 \(user\) has blank 'content'"):
+        normalize_row(
+            {"prompt": [MSGS[0], {"role": "user", "content": " \n"}], "answer": "1"}, "x.parquet", 5
+        )
+    with pytest.raises(DataError, match=r"^x\.parquet row 2: missing key 'prompt'"):
+        normalize_row({"answer": "1"}, "x.parquet", 2)
+
+
 def test_parquet_plain_columns(tmp_path):
     path = tmp_path / "plain.parquet"
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), path)
@@ -90,6 +129,21 @@ def test_parquet_plain_columns(tmp_path):
             "message 0 has no string 'role'",
         ),
         ([{"prompt": [{"role": "user"}], "answer": "1"}], "row 0 (line 1)", "has no string 'content'"),
+        (
+            [
+                {
+                    "prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "q"}],
+                    "answer": "1",
+                }
+            ],
+            "row 0 (line 1)",
+            "prompt message 0 (system) has blank 'content'",
+        ),
+        (
+            [{"prompt": "a", "answer": "1"}, {"prompt": "\t\n", "answer": "1"}],
+            "row 1 (line 2)",
+            "empty 'prompt'",
+        ),
         ([{"prompt": ["hi"], "answer": "1"}], "row 0 (line 1)", "message 0 has no string 'role'"),
         ([{"prompt": "a", "answer": None}], "row 0 (line 1)", "'answer' is None"),
         ([{"prompt": "a", "answer": True}], "row 0 (line 1)", "'answer' is True"),
@@ -156,6 +210,16 @@ def test_file_level_errors(tmp_path):
         load_rows(str(tmp_path / "x.csv"))
     with pytest.raises(DataError, match="file not found"):
         load_rows(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "split.jsonl").mkdir()
+    with pytest.raises(DataError, match=r"split\.jsonl: is a directory, not a file"):
+        load_rows(str(tmp_path / "split.jsonl"))
+    with pytest.raises(DataError, match="is a directory, not a file"):
+        load_rows(str(tmp_path))  # no extension: still named as a directory, not as a bad extension
+    import os
+
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(DataError, match="not a regular file"):
+        load_rows(str(tmp_path / "pipe.jsonl"))
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match="not a readable parquet file"):
         load_rows(str(tmp_path / "junk.parquet"))
