@@ -3,22 +3,21 @@
 A reward function takes `(response, answer)` and returns a number (float/int/bool) or a dict of named
 sub-scores with a required `"score"` key; the other entries are reported as extras.
 
-`score()` runs the function in a daemon worker thread with a deadline. A function that hangs is
-abandoned, not killed: its thread keeps running in the background. Rewards that execute untrusted or
-unbounded code and must be killed belong in a subprocess sandbox, a later feature.
+`evaluate()` runs a function in-process without a deadline and never raises. Deadlines are enforced one
+level up, by app.reward_pool.RewardProcesses: a reward runs in a long-lived scoring subprocess that is
+killed (SIGKILL) when it misses its deadline, because a thread cannot be stopped (a big-integer power in
+sympy holds the GIL, so even the thread that waits on the deadline would not wake).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import importlib
 import inspect
 import logging
 import math
 import numbers
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -85,8 +84,8 @@ def gsm8k_reward(response: str, answer: str, flexible: bool = False) -> float:
 def math_reward(response: str, answer: str) -> float:
     """1.0 when the response's final answer is mathematically equivalent to `answer` (math-verify: LaTeX or
     plain expressions, `\\boxed{}` preferred; 1/2 == 0.5 == \\frac{1}{2}, (x+1)^2 == x^2+2x+1), else 0.0.
-    math-verify's own signal-based timeouts are off (they only work on the main thread): `score()`'s
-    deadline bounds the call instead."""
+    math-verify's own signal-based timeouts are off: the scoring process's deadline bounds the call instead
+    (e.g. `\\boxed{9^{9^{9^{9}}}}`, which sympy would compute for ever)."""
     from math_verify import parse, verify
 
     gold_text = answer if ("$" in answer or "\\" in answer) else f"${answer}$"
@@ -159,7 +158,8 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
 class RewardResult:
     """Outcome of one guarded reward computation.
 
-    `error` is None on success, else "exception", "timeout" or "invalid" (and `score` is `on_error`);
+    `error` is None on success, else "exception", "timeout", "invalid" or "crash" (the scoring process or
+    worker died) (and `score` is `on_error`);
     `detail` explains the error; `extras` holds the numeric sub-scores of a dict return.
     """
 
@@ -199,41 +199,32 @@ async def _awaited(aw: Any) -> Any:
     return await aw
 
 
-def score(fn: RewardFn, response: str, answer: str, timeout_s: float, on_error: float) -> RewardResult:
-    """Run `fn(response, answer)` (sync, or async: awaited on the reward thread) with a deadline of `timeout_s` seconds and never raise.
-
-    Exceptions score `on_error` with error="exception" (logged as a warning); a call still running at
-    the deadline scores `on_error` with error="timeout" and its daemon thread is abandoned (it cannot be
-    killed; use a subprocess sandbox for code execution); NaN/inf or a non-numeric result gives
-    error="invalid". `timeout_s` <= 0 or inf waits without a deadline.
-    """
-    future: concurrent.futures.Future = concurrent.futures.Future()
+def evaluate(fn: RewardFn, response: str, answer: str, on_error: float) -> RewardResult:
+    """Run `fn(response, answer)` here and now (an async function is awaited on a fresh event loop); never
+    raises. No deadline: this runs inside a scoring process (app.reward_pool.RewardProcesses), which its
+    parent kills at the deadline. Exceptions score `on_error` with error="exception" (logged as a warning);
+    NaN/inf or a non-numeric result gives error="invalid"."""
     name = getattr(fn, "__name__", type(fn).__name__)
-
-    def work() -> None:
-        try:
-            value = fn(response, answer)
-            if inspect.isawaitable(value):  # an async reward function: run it on this thread's own loop
-                value = asyncio.run(_awaited(value))
-            outcome = (True, value)
-        except BaseException as e:  # reported to the caller, never raised here
-            outcome = (False, e)
-        future.set_result(outcome)
-
     try:
-        threading.Thread(target=work, name=f"reward-{name}", daemon=True).start()
-        wait = timeout_s if 0 < timeout_s < math.inf else None
-        ok, value = future.result(timeout=wait)
-    except concurrent.futures.TimeoutError:
-        log.warning("reward function %s timed out after %ss; scoring %s", name, timeout_s, on_error)
-        return RewardResult(on_error, "timeout", f"{name} did not return within {timeout_s}s")
-    except Exception as e:  # e.g. the thread could not start
-        ok, value = False, e
-    if not ok:
-        detail = f"{type(value).__name__}: {value}"
+        value = fn(response, answer)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+    except Exception as e:  # the reward's own bug or a bad input: scored, never raised
+        detail = f"{type(e).__name__}: {e}"
         log.warning("reward function %s raised %s; scoring %s", name, detail, on_error)
         return RewardResult(on_error, "exception", detail)
     try:
         return _interpret(value, on_error)
     except Exception as e:  # a pathological return value (e.g. a dict subclass that raises)
         return RewardResult(on_error, "invalid", f"{type(e).__name__}: {e}")
+
+
+def warm_up(fn: RewardFn) -> None:
+    """Do what `fn` does once, lazily (import math-verify and sympy; probe the code sandbox), so that the
+    first reward's deadline does not pay for it."""
+    if fn is math_reward:
+        import math_verify  # noqa: F401
+    if fn is code_reward:
+        from app.sandbox import isolation
+
+        isolation()

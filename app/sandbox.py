@@ -16,23 +16,25 @@ process by running a tiny program through each candidate setup and keeps the str
 - Leftover processes: the wrapper is pid 1 of the namespace; when it exits (after the program) the kernel
   kills everything left in it, including processes that escaped the process group with setsid().
   Afterwards the whole process group is SIGKILLed in any case, also on timeout and on errors.
-- Fork bombs: RLIMIT_NPROC, set after the uid drop. RLIMIT_NPROC counts per user, so it only works
-  for a uid that is not ours: as root, `nobody` (shared by concurrent sandboxes, which then share the
-  budget of `max_procs` processes); without root, the user namespace's own count. Root without a uid
-  drop has no process cap (only the cpu/wall limits and the pid-namespace teardown).
+- Fork bombs: RLIMIT_NPROC, set after the uid drop. RLIMIT_NPROC counts per user, so each run gets a
+  user of its own: as root, a uid (= gid) leased from a pool of unused ids (a lock file per id, so that
+  concurrent runs, also in other processes, never share one) and a fork bomb in one sandbox cannot use
+  up the budget of another; without root, the user namespace's own count. Fallbacks, with a warning:
+  the shared `nobody` (concurrent runs share `max_procs`), or no cap at all (root without a uid drop).
+- Dying callers: `setpriv --pdeathsig KILL` in front of `unshare` kills the sandbox when the thread that
+  started it dies (a reward process killed at its deadline), and `--kill-child` then its namespace.
 - CPU, memory, files, core dumps: RLIMIT_CPU, RLIMIT_AS (per process: a fork bomb may hold up to
   `max_procs` x `memory_mb`), RLIMIT_FSIZE, RLIMIT_CORE=0; output goes to files capped by RLIMIT_FSIZE
   and at most `output_bytes` of each stream are read back, so gigabytes of output cost no memory here.
-- The filesystem: cwd and HOME are a fresh directory, removed afterwards. In the mount namespace
-  /tmp, /var/tmp, /dev/shm and /run/lock are replaced by small private tmpfs mounts (the work directory
-  lives there), so the program can neither see nor fill ours and its files vanish with it; as `nobody`
-  it can write nowhere else (with `no_new_privs`, setuid binaries cannot give it privileges back).
-  When the interpreter lives where `nobody` cannot reach it (e.g. /root/.pyenv), that top directory is
-  masked by a tmpfs too and the interpreter's prefix bound back, read-only, at the same path.
-  Not protected: reading world-readable files (the repository's source, /etc); without root (user
-  namespace: the program is uid 0 there, without capabilities), writing files our own user owns outside
-  those mounts (the caller's home is masked too, the rest is not); without a mount namespace the work
-  directory is on the host's disk and world-writable directories are writable.
+- The filesystem: a minimal root (with a mount namespace; pivot_root into a tmpfs, the host's tree
+  detached): the interpreter binary, its standard library without site-packages, the shared libraries
+  they load (as `ldd` finds them) and /etc/ld.so.cache, all read-only; /dev/{null,zero,full,random,
+  urandom}; the pid namespace's own /proc (hidepid=2: the program does not see its parent); a small
+  private /tmp holding the work directory (cwd and HOME). Nothing else of the host or the project exists
+  there: no /etc/passwd, datasets, hidden tests, checkpoints or repositories.
+  Fallback, with a loud warning (no pivot_root): /tmp, /var/tmp, /dev/shm and /run/lock are replaced by
+  small private tmpfs mounts and every world-readable file of the host stays readable; without a mount
+  namespace the work directory is on the host's disk and world-writable directories are writable.
 - Environment: a minimal one (PATH, HOME, TMPDIR, LANG, PYTHONDONTWRITEBYTECODE), `-I -S` (no user site,
   no site-packages: only the standard library is importable, no PYTHON* variables), no inherited file
   descriptors but stdin/stdout/stderr.
@@ -45,6 +47,7 @@ sandbox_error (the sandbox itself failed: not the program's fault).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import inspect
 import json
@@ -52,6 +55,8 @@ import logging
 import marshal
 import math
 import os
+import platform
+import random
 import re
 import resource
 import select
@@ -62,6 +67,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,6 +77,9 @@ STATUSES = ("ok", "error", "timeout", "memory", "killed", "output_limit", "sandb
 _MASKED = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # world-writable: private tmpfs in the sandbox
 _WORK_IN_NS = "/tmp/work"  # cwd/HOME of the program inside the mount namespace (a private tmpfs)
 _PATH = "/usr/local/bin:/usr/bin:/bin"
+_PIVOT_ROOT_NR = {"x86_64": 155, "aarch64": 41}  # glibc has no pivot_root(); the raw syscall's number
+_UID_BASE, _UID_COUNT = 1_500_000_000, 4096  # leased sandbox uids (= gids): owned by no account
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 _FENCE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
 _PYTHON_TAGS = ("python", "python3", "py")
 
@@ -126,16 +135,26 @@ class Isolation:
     userns: bool
     uid: int | None  # the unprivileged uid the program runs as (root only), else None
     gid: int | None
+    rootfs: bool = False  # a minimal root: only the interpreter's runtime, /dev nodes, a private /tmp
+    uid_pool: bool = False  # root: each run leases its own uid (its own RLIMIT_NPROC budget), not `uid`
 
     def describe(self) -> str:
         parts = [
+            f"rootfs={'yes' if self.rootfs else 'NO'}",
             f"netns={'yes' if self.netns else 'NO'}",
             f"pidns={'yes' if self.pidns else 'no'}",
             f"mountns={'yes' if self.mountns else 'no'}",
             f"userns={'yes' if self.userns else 'no'}",
-            f"uid={self.uid if self.uid is not None else os.geteuid()}",
+            f"uid={'per-run' if self.uid_pool else self.uid if self.uid is not None else os.geteuid()}",
+            f"procs={self.process_budget()}",
         ]
         return " ".join(parts)
+
+    def process_budget(self) -> str:
+        """How fork bombs are capped: per run (own uid or user namespace), shared by all runs, or not."""
+        if self.uid_pool or (self.userns and self.uid is None):
+            return "per-run"
+        return "shared" if self.uid is not None else "NONE"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -183,29 +202,50 @@ def _candidates() -> list[Isolation]:
     """Isolation setups from the strongest to the weakest."""
     root = os.geteuid() == 0
     ids = _drop_ids()
-    drops = [ids, None] if ids else [None]
+    # root: a leased uid per run first, then the shared `nobody`, then no drop at all
+    drops: list[tuple[int, int, bool] | None] = [(*ids, True), (*ids, False), None] if ids else [None]
     unshare = shutil.which("unshare")
     ns_options: list[tuple[bool, bool]] = [(True, True), (False, True), (True, False)] if unshare else []
+    guard = _death_guard()
     out = []
     for net, pid_mount in [*ns_options, (False, False)]:
-        prefix: list[str] = []
+        prefix: list[str] = list(guard)
         if net or pid_mount:
-            prefix = [unshare or "unshare", *([] if root else ["--user", "--map-root-user"])]
+            prefix += [unshare or "unshare", *([] if root else ["--user", "--map-root-user"])]
             prefix += ["--net"] if net else []
             prefix += ["--pid", "--fork", "--kill-child", "--mount-proc"] if pid_mount else []
-        for drop in drops:
-            out.append(
-                Isolation(
-                    prefix=tuple(prefix),
-                    netns=net,
-                    pidns=pid_mount,
-                    mountns=pid_mount,
-                    userns=bool(prefix) and not root,
-                    uid=drop[0] if drop else None,
-                    gid=drop[1] if drop else None,
+        roots = [True, False] if pid_mount and _PIVOT_ROOT_NR.get(platform.machine()) else [False]
+        for rootfs in roots:
+            for drop in drops:
+                out.append(
+                    Isolation(
+                        prefix=tuple(prefix),
+                        netns=net,
+                        pidns=pid_mount,
+                        mountns=pid_mount,
+                        userns=(net or pid_mount) and not root,
+                        uid=drop[0] if drop else None,
+                        gid=drop[1] if drop else None,
+                        rootfs=rootfs,
+                        uid_pool=bool(drop and drop[2]),
+                    )
                 )
-            )
     return out
+
+
+@functools.cache
+def _death_guard() -> tuple[str, ...]:
+    """`setpriv --pdeathsig KILL`, when available: the sandbox dies with the thread that started it (e.g.
+    a reward process killed at its deadline), and with it, through `unshare --kill-child`, its pid
+    namespace. Without it a program of a killed caller runs on until its own cpu/wall limits."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return ()
+    try:
+        ok = subprocess.run([setpriv, "--pdeathsig", "KILL", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return (setpriv, "--pdeathsig", "KILL") if ok.returncode == 0 else ()
 
 
 def _choose_isolation() -> Isolation:
@@ -229,6 +269,18 @@ def _warn_missing(plan: Isolation, failures: list[str]) -> None:
     for f in failures:
         log.debug("sandbox setup rejected: %s", f)
     log.info("code sandbox isolation: %s", plan.describe())
+    if not plan.rootfs:
+        log.warning(
+            "code sandbox: NO minimal root filesystem (needs a mount namespace and pivot_root): sandboxed "
+            "programs can read every world-readable file of this machine: datasets with their answers, "
+            "hidden tests, checkpoints, the repository"
+        )
+    if plan.process_budget() == "shared":
+        log.warning(
+            "code sandbox: concurrent sandboxes share one process budget (uid %s): a fork bomb in one "
+            "makes the others fail",
+            plan.uid,
+        )
     if not plan.netns:
         log.warning(
             "code sandbox: network isolation is unavailable (no usable `unshare --net`); "
@@ -254,11 +306,13 @@ def _hidden_ancestor(path: str) -> str | None:
     return None
 
 
-def _wrapper_config(plan: Isolation, tmp: str, status_fd: int, limits: SandboxLimits) -> dict:
+def _wrapper_config(
+    plan: Isolation, tmp: str, status_fd: int, limits: SandboxLimits, ids: tuple[int, int] | None
+) -> dict:
     interp = _interpreter()
     masks: list[tuple[str, int]] = []
     expose = None
-    if plan.mountns:
+    if plan.mountns and not plan.rootfs:  # the fallback: hide what is writable, all else stays readable
         masks = [(m, 0o1777) for m in _MASKED if os.path.isdir(m) and not os.path.islink(m)]
         home = os.path.expanduser("~")
         if plan.userns and home not in ("/", "") and os.path.isdir(home):
@@ -274,11 +328,15 @@ def _wrapper_config(plan: Isolation, tmp: str, status_fd: int, limits: SandboxLi
         "program": os.path.join(tmp, "program.py"),
         "work": _WORK_IN_NS if plan.mountns else os.path.join(tmp, "work"),
         "interpreter": interp,
-        "uid": plan.uid,
-        "gid": plan.gid,
+        "uid": ids[0] if ids else None,
+        "gid": ids[1] if ids else None,
         "drop_caps": plan.userns,
         "masks": [list(m) for m in masks],
         "expose": expose,
+        "root": os.path.join(tmp, "root") if plan.rootfs else None,
+        "binds": [list(b) for b in _runtime_binds()] if plan.rootfs else [],
+        "proc": plan.pidns,
+        "pivot_nr": _PIVOT_ROOT_NR.get(platform.machine(), -1),
         "tmpfs_kb": max(4096, 4 * fsize // 1024),
         "cpu_s": max(1, math.ceil(limits.cpu_s)),
         "as_bytes": limits.memory_mb * 2**20,
@@ -286,6 +344,85 @@ def _wrapper_config(plan: Isolation, tmp: str, status_fd: int, limits: SandboxLi
         "nproc": limits.max_procs,
         "status_fd": status_fd,
     }
+
+
+@functools.cache
+def _runtime_binds() -> tuple[tuple[str, str, str], ...]:
+    """What the minimal root shows, as (kind, path, link target): "bind" (read-only, from the host), "link"
+    (a symlink as on the host, so that paths the loader and the interpreter use resolve) or "hide" (an
+    empty directory over it). Only the interpreter, its standard library (minus site-packages), the
+    shared libraries they load and the loader's cache."""
+    interp = _interpreter()
+    stdlib = os.path.realpath(os.path.dirname(os.__file__))
+    dynload = [str(p) for p in sorted(Path(stdlib, "lib-dynload").glob("*.so"))]
+    paths = [interp, stdlib, *_shared_libs([interp, *dynload])]
+    paths += [p for p in ("/etc/ld.so.cache",) if os.path.exists(p)]
+    ops: dict[str, tuple[str, str]] = {}
+    for path in paths:
+        _record_path(path, ops)
+    dirs = [p for p, (kind, _) in ops.items() if kind == "bind" and os.path.isdir(p)]
+    out = [(k, p, t) for p, (k, t) in ops.items() if not any(p.startswith(d + "/") for d in dirs)]
+    out += [("hide", os.path.join(stdlib, d), "") for d in ("site-packages", "dist-packages")]
+    return tuple(o for o in out if o[0] != "hide" or os.path.isdir(o[1]))
+
+
+def _record_path(path: str, ops: dict[str, tuple[str, str]], depth: int = 0) -> None:
+    """Record the symlinks on the way to `path` and a bind of where it really is."""
+    parts = Path(os.path.abspath(path)).parts[1:]
+    cur = "/"
+    for i, part in enumerate(parts):
+        nxt = os.path.join(cur, part)
+        if os.path.islink(nxt) and depth < 32:
+            target = os.readlink(nxt)
+            ops.setdefault(nxt, ("link", target))
+            base = target if os.path.isabs(target) else os.path.join(cur, target)
+            _record_path(os.path.normpath(os.path.join(base, *parts[i + 1 :])), ops, depth + 1)
+            return
+        cur = nxt
+    if os.path.exists(cur):
+        ops.setdefault(cur, ("bind", ""))
+
+
+def _shared_libs(objects: list[str]) -> list[str]:
+    """The shared libraries (and the loader) that `objects` load, as `ldd` resolves them."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        return []
+    try:
+        out = subprocess.run([ldd, *objects], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = re.findall(r"^\s+(?:\S+\s+=>\s+)?(/\S+)\s+\(0x", out, re.MULTILINE)
+    return sorted(set(found))
+
+
+@contextlib.contextmanager
+def _leased_ids(plan: Isolation) -> Iterator[tuple[int, int] | None]:
+    """The (uid, gid) the program runs as: with a uid pool, one no other run holds (a lock file per uid,
+    so across processes too), so that RLIMIT_NPROC is this run's own budget; else the plan's."""
+    if not plan.uid_pool:
+        yield (plan.uid, plan.gid) if plan.uid is not None and plan.gid is not None else None
+        return
+    lock_dir = os.path.join(tempfile.gettempdir(), "relay-sandbox-uids")
+    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+    st = os.stat(lock_dir)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise SandboxError(f"{lock_dir} must be ours and not writable by others")
+    start = random.randrange(_UID_COUNT)
+    for i in range(_UID_COUNT):
+        uid = _UID_BASE + (start + i) % _UID_COUNT
+        fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield uid, uid
+        finally:
+            os.close(fd)  # after the run: its pid namespace (or process group) is gone
+        return
+    raise SandboxError(f"all {_UID_COUNT} sandbox uids are in use")
 
 
 def _minimal_env(work: str) -> dict[str, str]:
@@ -307,14 +444,17 @@ def _run(plan: Isolation, code: str, stdin: str, limits: SandboxLimits) -> RunRe
         os.chmod(tmp, 0o711)  # the work dir inside may belong to the sandbox uid (without mount ns)
         Path(tmp, "program.py").write_bytes(source)
         Path(tmp, "stdin.txt").write_bytes(stdin.encode("utf-8", errors="replace"))
-        return _run_in(plan, tmp, limits)
+        if plan.rootfs:
+            os.mkdir(os.path.join(tmp, "root"))  # the mount point of the minimal root
+        with _leased_ids(plan) as ids:
+            return _run_in(plan, tmp, limits, ids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_in(plan: Isolation, tmp: str, limits: SandboxLimits) -> RunResult:
+def _run_in(plan: Isolation, tmp: str, limits: SandboxLimits, ids: tuple[int, int] | None) -> RunResult:
     r_fd, w_fd = os.pipe()
-    cfg = _wrapper_config(plan, tmp, w_fd, limits)
+    cfg = _wrapper_config(plan, tmp, w_fd, limits, ids)
     wrapper = [cfg["interpreter"], "-I", "-S", "-B", "-c", _wrapper_source(), marshal.dumps(cfg).hex()]
     argv = [*plan.prefix, *wrapper]
     out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -529,6 +669,7 @@ def code_reward(
 # importing this whole module there would cost tens of milliseconds per run. Stdlib builtins only.
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
+_MS_NOEXEC, _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME, _MNT_DETACH = 8, 1024, 2048, 1 << 21, 2
 _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 24, 28, 38
 _SECBIT_NOROOT_LOCKED = 0x3  # SECBIT_NOROOT | SECBIT_NOROOT_LOCKED: uid 0 gains no capabilities on exec
 
@@ -564,6 +705,58 @@ def _prepare_mounts(cfg: dict) -> None:
         except OSError:
             pass  # read-only is a nicety: the dropped uid cannot write there anyway
         os.close(expose_fd)
+
+
+def _bind_ro(src: str, dst: str) -> None:
+    """Bind `src` on `dst` read-only, nosuid, nodev; keeps the flags the source mount has (in a user
+    namespace its noexec/atime flags are locked: a remount that dropped them would fail)."""
+    _mount(src, dst, None, _MS_BIND, None)
+    f = os.statvfs(src).f_flag
+    keep = (f & (_MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)) | (_MS_RELATIME if f & 4096 else 0)
+    _mount(None, dst, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV | keep, None)
+
+
+def _build_root(cfg: dict) -> None:
+    """A minimal root in a tmpfs: the runtime read-only, a few /dev nodes, a private /tmp, the namespace's
+    own /proc; then pivot_root into it and detach the host's tree, read-only from then on."""
+    root = cfg["root"]
+    _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1024k,nr_inodes=4096,mode=755")
+    for kind, path, target in cfg["binds"]:
+        dst = root + path
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if kind == "link":
+            os.symlink(target, dst)
+        elif kind == "hide":
+            _mount("tmpfs", dst, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV, "size=4k,nr_inodes=8,mode=755")
+        else:
+            if os.path.isdir(path):
+                os.makedirs(dst, exist_ok=True)
+            else:
+                open(dst, "a").close()
+            _bind_ro(path, dst)
+    os.makedirs(root + "/dev", exist_ok=True)
+    for dev in _DEVICES:  # device nodes work through a bind of the node, not on the nodev tmpfs
+        open(f"{root}/dev/{dev}", "a").close()
+        _mount(f"/dev/{dev}", f"{root}/dev/{dev}", None, _MS_BIND, None)
+    os.makedirs(root + "/tmp")
+    opts = f"size={cfg['tmpfs_kb']}k,nr_inodes=4096,mode=1777"
+    _mount("tmpfs", root + "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
+    if cfg["proc"]:  # the pid namespace's own; hidepid: the program does not see its root-owned parent
+        os.makedirs(root + "/proc")
+        try:
+            _mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
+        except OSError:
+            _mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    import ctypes
+
+    libc = _libc()
+    os.chdir(root)
+    if libc.syscall(cfg["pivot_nr"], b".", b".") != 0:  # the old root ends up stacked under the new
+        raise OSError(ctypes.get_errno(), "pivot_root failed")
+    if libc.umount2(b".", _MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), "cannot detach the host's root")
+    os.chdir("/")
+    _mount(None, "/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
 
 
 def _setup_workdir(cfg: dict, source: bytes) -> None:
@@ -622,7 +815,9 @@ def _wrapper_main(cfg: dict) -> int:
     try:
         with open(cfg["program"], "rb") as f:  # read before /tmp is masked
             source = f.read()
-        if cfg["masks"]:
+        if cfg["root"]:
+            _build_root(cfg)
+        elif cfg["masks"]:
             _prepare_mounts(cfg)
         _setup_workdir(cfg, source)
         child = os.fork()
@@ -647,7 +842,8 @@ def _wrapper_main(cfg: dict) -> int:
     return 0  # as pid 1, our exit kills whatever is left in the namespace
 
 
-_WRAPPER_FUNCS = (_libc, _mount, _prepare_mounts, _setup_workdir, _report, _restrict, _minimal_env)
+_WRAPPER_FUNCS = (_libc, _mount, _prepare_mounts, _bind_ro, _build_root, _setup_workdir, _report, _restrict)
+_WRAPPER_FUNCS += (_minimal_env,)
 _WRAPPER_FUNCS += (_exec_program, _wrapper_main)
 
 
@@ -660,6 +856,8 @@ def _wrapper_source() -> str:
         f"_PATH = {_PATH!r}",
         f"_MS_RDONLY, _MS_NOSUID, _MS_NODEV = {_MS_RDONLY}, {_MS_NOSUID}, {_MS_NODEV}",
         f"_MS_REMOUNT, _MS_BIND, _MS_REC = {_MS_REMOUNT}, {_MS_BIND}, {_MS_REC}",
+        f"_MS_NOEXEC, _MS_NOATIME, _MS_NODIRATIME = {_MS_NOEXEC}, {_MS_NOATIME}, {_MS_NODIRATIME}",
+        f"_MS_RELATIME, _MNT_DETACH, _DEVICES = {_MS_RELATIME}, {_MNT_DETACH}, {_DEVICES!r}",
         f"_PR_CAPBSET_DROP, _PR_SET_SECUREBITS = {_PR_CAPBSET_DROP}, {_PR_SET_SECUREBITS}",
         f"_PR_SET_NO_NEW_PRIVS, _SECBIT_NOROOT_LOCKED = {_PR_SET_NO_NEW_PRIVS}, {_SECBIT_NOROOT_LOCKED}",
     ]

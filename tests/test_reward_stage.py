@@ -1,5 +1,5 @@
-"""The reward stage without Ray: the pool's local mode, a worker's scoring, failures counted by kind, the
-math-verify reward, sub-score metrics, and the resource check."""
+"""The reward stage: the pool's local mode, a worker's scoring, failures counted by kind, hostile math
+inputs, the math-verify reward, sub-score metrics, the resource check; one Ray test (integration)."""
 
 from __future__ import annotations
 
@@ -15,52 +15,90 @@ from app.reward_pool import RewardPool, RewardWorker
 from app.rewards import math_reward, resolve_reward_fn
 from app.train_loop import batch_metrics
 
-
-def slow(response: str, answer: str) -> float:
-    time.sleep(0.2)
-    return float(response == answer)
-
-
-def boom(response: str, answer: str) -> float:
-    raise RuntimeError("reward crashed")
-
-
-def subscores(response: str, answer: str) -> dict:
-    return {"score": 1.0, "format": 0.5, "length": float(len(response))}
+# The reward functions of these tests live in tests/test_rewards.py: the scoring processes import them, and
+# this module imports torch (app.train_loop), which would cost each process seconds to start.
+TOWERS = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{40}}}", "\\boxed{10^{10^7}}"]
 
 
 def test_pool_scores_concurrently_with_a_deadline_and_counts_failures():
-    cfg = load_config(None, ["reward.fn=tests.test_reward_stage:slow", "reward.max_concurrency=8"]).reward
+    cfg = load_config(None, ["reward.fn=tests.test_rewards:slow", "reward.max_concurrency=8"]).reward
 
     async def run():
         pool = RewardPool(cfg, "t")
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*[pool.score("arith", "7", "7") for _ in range(8)])
-        return res, time.perf_counter() - t0
+        try:
+            await asyncio.gather(*[pool.score("arith", "7", "7") for _ in range(8)])  # start 8 processes
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*[pool.score("arith", "7", "7") for _ in range(8)])
+            return res, time.perf_counter() - t0
+        finally:
+            pool.close()
 
     res, dt = asyncio.run(run())
     assert all(r.score == 1.0 and r.error is None for r in res)
     assert dt < 0.2 * 8 / 2  # eight 0.2 s rewards overlap (8 at once), not one after the other
 
-    cfg = load_config(None, ["reward.fn=tests.test_reward_stage:boom", "reward.on_error=-1"]).reward
+    cfg = load_config(None, ["reward.fn=tests.test_rewards:boom", "reward.on_error=-1"]).reward
     r = asyncio.run(RewardPool(cfg, "t").score("arith", "7", "7"))
     assert r.score == -1.0 and r.error == "exception"
-    cfg = load_config(None, ["reward.fn=tests.test_reward_stage:slow", "reward.timeout_s=0.05"]).reward
+    cfg = load_config(None, ["reward.fn=tests.test_rewards:slow", "reward.timeout_s=0.05"]).reward
     r = asyncio.run(RewardPool(cfg, "t").score("arith", "7", "7"))
     assert r.error == "timeout" and r.score == 0.0
 
 
+def test_exponent_towers_time_out_on_the_rollouter_path():
+    """reward.workers=0: the path the rollouter awaits. sympy's big-integer powers hold the GIL; the
+    deadline still holds (their scoring process is killed) and the event loop keeps running meanwhile."""
+    cfg = load_config(None, ["reward.fn=math", "reward.timeout_s=2", "reward.on_error=-1"]).reward
+
+    async def run() -> list[tuple[float, str | None, float, int]]:
+        pool = RewardPool(cfg, "t")
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        out = []
+        try:
+            for tower in TOWERS:
+                assert (await pool.score("math", "\\boxed{2}", "2")).score == 1.0  # warm process
+                t0, ticks = time.monotonic(), 0
+                r = await pool.score("math", tower, "1")
+                out.append((r.score, r.error, time.monotonic() - t0, ticks))
+        finally:
+            tick.cancel()
+            pool.close()
+        return out
+
+    for score, error, elapsed, ticks in asyncio.run(run()):
+        assert (score, error) == (-1.0, "timeout")
+        assert elapsed < 2 + 1
+        assert ticks >= 10  # the loop ticked (every 50 ms) while the reward hung
+
+
 def test_worker_returns_sub_scores():
-    w = RewardWorker("tests.test_reward_stage:subscores", 5.0, 0.0)
+    w = RewardWorker("tests.test_rewards:subscores", 5.0, 0.0)
     d = asyncio.run(w.score("arith", "abc", "x"))
     assert d["score"] == 1.0 and d["extras"] == {"format": 0.5, "length": 3.0}
+    w.procs.close()
 
 
 def test_sub_scores_are_logged_as_batch_means():
     def s(extras):
-        return Sample([1], [0.0], [0], "stop", reward=1.0, reward_extras=extras)
+        return Sample(
+            token_ids=[1],
+            logprobs=[0.0],
+            versions=[0],
+            finish_reason="stop",
+            reward=1.0,
+            reward_extras=extras,
+        )
 
-    b = Batch([Group("g", [1], "a", [s({"format": 1.0}), s({"format": 0.0, "len": 4.0})])])
+    samples = [s({"format": 1.0}), s({"format": 0.0, "len": 4.0})]
+    b = Batch(groups=[Group(uid="g", prompt_ids=[1], answer="a", samples=samples)])
     m = batch_metrics(b)
     assert m["reward/sub/format"] == 0.5 and m["reward/sub/len"] == 4.0
 
@@ -108,17 +146,11 @@ def test_resource_check_names_every_role():
         check(cfg, {"CPU": 64, "GPU": 4})
 
 
-async def async_reward(response: str, answer: str) -> dict:
-    await asyncio.sleep(0.01)
-    return {"score": float(response == answer), "judge": 0.25}
-
-
 def test_async_reward_functions_are_awaited():
-    from app.rewards import score
-
-    fn = resolve_reward_fn("tests.test_reward_stage:async_reward")
-    r = score(fn, "7", "7", 5.0, 0.0)
-    assert r.score == 1.0 and r.error is None and r.extras == {"judge": 0.25}
+    w = RewardWorker("tests.test_rewards:async_judge", 5.0, 0.0)
+    d = asyncio.run(w.score("arith", "7", "7"))
+    assert d["score"] == 1.0 and d["error"] is None and d["extras"] == {"judge": 0.25}
+    w.procs.close()
 
 
 def test_resource_shares_resolve_to_per_role_settings():
@@ -152,3 +184,40 @@ def test_resource_shares_resolve_to_per_role_settings():
     with pytest.raises(ResourceError, match="whole number"):
         resolve(load_config(None, ["resources.train_gpus=0.3"]), {"CPU": 8, "GPU": 8})
     assert resolve(load_config(None, []), {"CPU": 8}) == {}
+
+
+@pytest.mark.integration
+def test_exponent_towers_time_out_in_a_ray_reward_worker(monkeypatch):
+    """reward.workers=1: a real RewardWorker actor; the towers score on_error within the deadline and the
+    scoring processes killed for them are gone. Run under the Ray lock (see .contracts.md)."""
+    import os
+    import uuid
+    from pathlib import Path
+
+    import ray
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    overrides = ["reward.fn=math", "reward.timeout_s=2", "reward.on_error=-1", "reward.workers=1"]
+    cfg = load_config(None, overrides).reward
+
+    async def run() -> tuple[list[tuple[float, str | None, float]], list[int]]:
+        pool = RewardPool(cfg, f"t{uuid.uuid4().hex[:8]}")
+        out = []
+        for tower in TOWERS:
+            assert (await pool.score("math", "\\boxed{2}", "2")).score == 1.0  # warm worker and process
+            t0 = time.monotonic()
+            r = await pool.score("math", tower, "1")
+            out.append((r.score, r.error, time.monotonic() - t0))
+        return out, await pool.workers[0].scorer_pids.remote()
+
+    try:
+        results, pids = asyncio.run(run())
+    finally:
+        ray.shutdown()
+    for score, error, elapsed in results:
+        assert (score, error) == (-1.0, "timeout")
+        assert elapsed < 2 + 1
+    killed = [-p for p in pids if p < 0]
+    assert len(killed) == len(TOWERS)
+    assert not any(os.path.exists(f"/proc/{p}") for p in killed)  # no abandoned computation burns CPU

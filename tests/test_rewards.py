@@ -1,20 +1,26 @@
-"""Tests for app.rewards: built-in rewards, reward.fn resolution and the guarded score()."""
+"""Tests for app.rewards (built-in rewards, reward.fn resolution, evaluate()) and app.reward_pool's
+killable scoring processes."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
-import threading
+import os
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
+from app.reward_pool import RewardProcesses
 from app.rewards import (
     RewardResult,
+    evaluate,
     exact_match,
     extract_gsm8k,
     gsm8k_reward,
     resolve_reward_fn,
-    score,
 )
 
 
@@ -165,66 +171,147 @@ def test_resolve_module_that_fails_on_import(tmp_path, monkeypatch):
         resolve_reward_fn("broken_relay_rewards:fn")
 
 
-def test_score_numbers():
-    assert score(exact_match, "8", "8", 1.0, -1.0) == RewardResult(1.0)
-    assert score(lambda r, a: True, "", "", 1.0, 0.0).score == 1.0
-    assert score(lambda r, a: 3, "", "", 1.0, 0.0).score == 3.0
+def test_evaluate_numbers():
+    assert evaluate(exact_match, "8", "8", -1.0) == RewardResult(1.0)
+    assert evaluate(lambda r, a: True, "", "", 0.0).score == 1.0
+    assert evaluate(lambda r, a: 3, "", "", 0.0).score == 3.0
 
 
-def test_score_dict_returns(user_module):
+def test_evaluate_dict_returns(user_module):
     fn = resolve_reward_fn(f"{user_module}:reward")
-    res = score(fn, "ab", "ab", 1.0, 0.0)
+    res = evaluate(fn, "ab", "ab", 0.0)
     assert res == RewardResult(1.0, None, "", {"length": 2.0})
-    res = score(lambda r, a: {"score": 0.5, "note": "text", "nan": math.nan, "ok": 1}, "", "", 1.0, 0.0)
+    res = evaluate(lambda r, a: {"score": 0.5, "note": "text", "nan": math.nan, "ok": 1}, "", "", 0.0)
     assert res.score == 0.5 and res.error is None and res.extras == {"ok": 1.0}
-    res = score(lambda r, a: {"acc": 1.0}, "", "", 1.0, -1.0)
+    res = evaluate(lambda r, a: {"acc": 1.0}, "", "", -1.0)
     assert (res.score, res.error) == (-1.0, "invalid")
     assert "'score'" in res.detail
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "1.0", None, [1.0], {"score": math.nan}])
-def test_score_invalid(value):
-    res = score(lambda r, a: value, "", "", 1.0, -1.0)
+def test_evaluate_invalid(value):
+    res = evaluate(lambda r, a: value, "", "", -1.0)
     assert (res.score, res.error) == (-1.0, "invalid")
     assert res.detail
 
 
-def test_score_exception(caplog):
+def test_evaluate_exception(caplog):
     def boom(response, answer):
         raise KeyError("missing field")
 
-    res = score(boom, "", "", 1.0, -0.5)
+    res = evaluate(boom, "", "", -0.5)
     assert (res.score, res.error) == (-0.5, "exception")
     assert "KeyError" in res.detail and "missing field" in res.detail
     assert any("missing field" in r.getMessage() for r in caplog.records)
 
 
-def test_score_timeout_error_raised_by_fn_is_an_exception():
+def test_evaluate_timeout_error_raised_by_fn_is_an_exception():
     def fn(response, answer):
         raise TimeoutError("inner")
 
-    assert score(fn, "", "", 1.0, 0.0).error == "exception"
+    assert evaluate(fn, "", "", 0.0).error == "exception"
 
 
-def test_score_hanging_function_is_abandoned():
-    release = threading.Event()
-
-    def hang(response, answer):
-        release.wait(30)
-        return 1.0
-
-    start = time.monotonic()
-    res = score(hang, "", "", 0.2, -1.0)
-    elapsed = time.monotonic() - start
-    release.set()
-    assert (res.score, res.error) == (-1.0, "timeout")
-    assert "0.2" in res.detail
-    assert elapsed < 1.0
+# ----------------------------------------------------------------------------------------------------
+# Scoring processes: reward functions the tests below run in a subprocess (importable by dotted path)
 
 
-def test_score_no_deadline():
-    assert score(lambda r, a: 1.0, "", "", 0, 0.0).score == 1.0
-    assert score(lambda r, a: 1.0, "", "", math.inf, 0.0).score == 1.0
+def hostile(response: str, answer: str) -> float:
+    """Sleeps, or computes a big-integer power: minutes of C code that never release the GIL (like
+    sympy's 9^9^9^9), or scores 1.0."""
+    if response == "sleep":
+        time.sleep(60)
+    if response == "gil":
+        return float(10 ** (10**9) > 0)
+    return 1.0
+
+
+def chatty(response: str, answer: str) -> float:
+    print("a reward that prints must not corrupt the protocol")
+    os.write(1, b"\x00\x00\x00\x05junk")
+    return float(response == answer)
+
+
+def dies(response: str, answer: str) -> float:
+    os._exit(3)
+
+
+async def async_judge(response: str, answer: str) -> dict:
+    await asyncio.sleep(0.01)
+    return {"score": float(response == answer), "judge": 0.25}
+
+
+def slow(response: str, answer: str) -> float:
+    time.sleep(0.2)
+    return float(response == answer)
+
+
+def boom(response: str, answer: str) -> float:
+    raise RuntimeError("reward crashed")
+
+
+def subscores(response: str, answer: str) -> dict:
+    return {"score": 1.0, "format": 0.5, "length": float(len(response))}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_processes_score_sub_scores_async_and_printing_rewards(user_module):
+    procs = RewardProcesses(f"{user_module}:reward", 5.0, -1.0)
+    try:
+        assert procs.score("x", "ab", "ab") == RewardResult(1.0, None, "", {"length": 2.0})
+        pid = procs.idle[0].proc.pid
+        assert procs.score("x", "ab", "cd").score == 0.0 and procs.idle[0].proc.pid == pid  # reused
+    finally:
+        procs.close()
+    for spec, want in [
+        ("tests.test_rewards:async_judge", {"judge": 0.25}),
+        ("tests.test_rewards:chatty", {}),
+    ]:
+        procs = RewardProcesses(spec, 5.0, -1.0)
+        try:
+            assert procs.score("x", "7", "7") == RewardResult(1.0, None, "", want)
+            assert procs.score("x", "7", "8").score == 0.0
+        finally:
+            procs.close()
+
+
+@pytest.mark.parametrize("how", ["sleep", "gil"])
+def test_a_hanging_reward_is_killed_at_its_deadline(how):
+    """Sleeping or holding the GIL: the reward scores on_error at the deadline, and its process is gone
+    (no CPU burnt afterwards); the next reward gets a fresh process."""
+    procs = RewardProcesses("tests.test_rewards:hostile", 0.5, -1.0)
+    try:
+        assert procs.score("x", "ok", "").score == 1.0  # process started, function resolved: warm
+        pid = procs.idle[0].proc.pid
+        t0 = time.monotonic()
+        res = procs.score("x", how, "")
+        elapsed = time.monotonic() - t0
+        assert (res.score, res.error) == (-1.0, "timeout"), res
+        assert elapsed < 0.5 + 1.0
+        assert list(procs.killed) == [pid]
+        assert cpu_seconds(pid) is None  # killed and reaped: it burns nothing
+        assert procs.score("x", "ok", "").score == 1.0  # a replacement scores the next one
+    finally:
+        procs.close()
+
+
+def test_a_reward_that_kills_its_process_is_a_crash_and_the_next_one_scores():
+    procs = RewardProcesses("tests.test_rewards:dies", 5.0, -1.0)
+    try:
+        res = procs.score("x", "", "")
+        assert (res.score, res.error) == (-1.0, "crash"), res
+        assert procs.idle == []
+        assert procs.score("x", "", "").error == "crash"  # a fresh process each time, no hang
+    finally:
+        procs.close()
 
 
 def test_auto_reward_routes_code_rows_to_the_sandbox():
@@ -233,3 +320,33 @@ def test_auto_reward_routes_code_rows_to_the_sandbox():
 
     assert resolve_reward_fn("auto", "code") is code_reward
     assert resolve_reward_fn("code", "anything") is code_reward
+
+
+def test_sandboxed_programs_die_with_a_killed_code_reward():
+    """A code reward killed at its deadline takes its sandboxed program with it (parent-death signals):
+    nothing of the abandoned evaluation keeps running."""
+    marker = f"relay-orphan-{uuid.uuid4().hex}"
+    body = "import time\ntime.sleep(60)\n"
+    program = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-I', '-S', '-c', {body!r}, {marker!r}])\n"
+    answer = json.dumps({"tests": [{"input": "", "output": "1"}]})
+    procs = RewardProcesses("code", 1.5, -1.0)
+    try:
+        assert procs.score("code", "print(1)", answer).score == 1.0  # warm: the sandbox is probed
+        assert _marked(marker) == []
+        res = procs.score("code", program, answer)
+        assert res.error == "timeout", res
+        time.sleep(0.5)
+        assert _marked(marker) == []
+    finally:
+        procs.close()
+
+
+def _marked(marker: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and marker.encode() in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except OSError:
+            pass
+    return out

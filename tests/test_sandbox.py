@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -15,6 +16,8 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -77,9 +80,12 @@ def reexec_with_marker(marker: str, body: str) -> str:
 
 def test_isolation_is_probed_and_described():
     iso = plan()
-    assert "netns=" in iso.describe()
+    assert "netns=" in iso.describe() and "rootfs=" in iso.describe() and "procs=" in iso.describe()
     if os.geteuid() == 0:
         assert iso.uid is not None or not iso.prefix  # root always drops to an unprivileged uid
+        assert iso.uid_pool and iso.process_budget() == "per-run"  # root can always lease uids
+        if iso.mountns:
+            assert iso.rootfs, iso.describe()  # root with a mount namespace can always pivot_root
     assert plan() is iso  # probed once, cached
 
 
@@ -253,6 +259,74 @@ def test_host_tmp_is_invisible_and_bounded():
     assert run(code).stdout.strip() == "['work']"
     res = run("i = 0\nwhile True:\n    open(f'/tmp/f{i}', 'wb').write(b'x' * 500_000)\n    i += 1\n")
     assert res.status == "error" and "No space left" in res.stderr, res
+
+
+SECRET = "relay-secret-answer-42"
+
+
+def test_program_sees_nothing_of_the_host_or_the_project(tmp_path):
+    """Not /etc/passwd, not a dataset with answers, not the hidden tests of its own problem (in the
+    repository's working directory and in /tmp), not the sandbox's own files, not its parent."""
+    if not plan().rootfs:
+        if os.geteuid() == 0:
+            pytest.fail(f"root without a minimal root filesystem ({plan().describe()})")
+        pytest.skip(f"no minimal root filesystem on this machine ({plan().describe()})")
+    repo_dir = Path(__file__).resolve().parents[1]
+    dataset = tmp_path / "train.jsonl"
+    dataset.write_text(json.dumps({"prompt": "p", "answer": SECRET}) + "\n")
+    hidden = repo_dir / f".relay-hidden-tests-{uuid.uuid4().hex}.json"
+    hidden.write_text(cases_json(("1 2\n", SECRET)))
+    targets = [
+        "/etc/passwd",
+        "/etc/hostname",
+        str(dataset),
+        str(hidden),
+        str(repo_dir / "app" / "sandbox.py"),
+    ]
+    targets += ["/proc/1/cmdline", "/proc/1/environ", os.path.expanduser("~/.bashrc")]
+    code = (
+        "import glob, os, sys\nfor path in sys.stdin.read().split() + glob.glob('/tmp/relay-sandbox-*/*'):\n"
+        "    try:\n        data = open(path, 'rb').read()\n        print('READ', path, len(data))\n"
+        "    except OSError as e:\n        print('denied', path, type(e).__name__)\n"
+        "print('root', *sorted(os.listdir('/')))\nprint('proc', sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+    )
+    try:
+        res = run(code, "\n".join(targets) + "\n")
+    finally:
+        hidden.unlink()
+    assert res.status == "ok", res
+    assert "READ" not in res.stdout and SECRET not in res.stdout, res.stdout
+    assert res.stdout.count("denied") == len(targets), res.stdout
+    listing = re.search(r"^root (.*)$", res.stdout, re.MULTILINE).group(1).split()
+    assert not {"work", "home", "var", "opt", "srv", "mnt", "boot"} & set(listing), listing
+    assert re.search(r"^proc \['2'\]$", res.stdout, re.MULTILINE), res.stdout  # only itself, not pid 1
+
+
+def test_a_fork_bomb_does_not_starve_a_concurrent_sandbox():
+    """RLIMIT_NPROC counts per uid: each run gets its own uid (or user namespace), so a fork bomb that
+    holds its whole process budget does not make a correct program in another sandbox fail."""
+    if plan().process_budget() != "per-run":
+        pytest.skip(f"no per-run process budget on this machine ({plan().describe()})")
+    bomb = (
+        "import os, sys, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(20)\n            os._exit(0)\n        n += 1\nexcept OSError:\n"
+        "    print(n, flush=True)\n    time.sleep(20)\n"
+    )
+    # the competitive-programming idiom: solve on one thread with a bigger stack (a thread is a process
+    # to RLIMIT_NPROC)
+    correct = (
+        "```python\nimport threading\n\ndef main():\n    a, b = map(int, input().split())\n    print(a + b)\n\n"
+        "threading.stack_size(2**24)\nt = threading.Thread(target=main)\nt.start()\nt.join()\n```"
+    )
+    limits = replace(sandbox.CODE_LIMITS, cpu_s=2.0, wall_s=6.0)  # the same process budget as code_reward
+    with ThreadPoolExecutor(2) as pool:
+        bombing = pool.submit(run_program, bomb, "", limits)
+        time.sleep(1.5)  # the bomb holds all its processes by now
+        scores = [code_reward(correct, ADD) for _ in range(2)]
+        bombed = bombing.result()
+    assert bombed.status == "timeout", bombed
+    assert bombed.stdout.strip() and int(bombed.stdout.split()[0]) < limits.max_procs, bombed
+    assert scores == [{"score": 1.0, "passed": 3, "total": 3}] * 2, scores
 
 
 def test_network_is_unreachable():
