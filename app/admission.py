@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from dataclasses import replace
+
+from app.records import Sample
 
 
 def admission_limit(max_staleness: float, version: int, batch_groups: int) -> int:
@@ -51,21 +53,17 @@ def response_budget(lengths: tuple[float, int] | None, uid: str, seed: int, max_
     return max(1, min(max_tokens, int(low * rng.paretovariate(alpha))))
 
 
-def merge_partial(partial: dict[str, Any], continuation: dict[str, Any]) -> dict[str, Any]:
+def merge_partial(partial: Sample, continuation: Sample) -> Sample:
     """A sample aborted mid-generation plus its continuation (generated from prompt + partial response).
 
     Token ids, behaviour log-probs and per-token versions are concatenated, so every token keeps the
-    version (and log-prob) of the policy that produced it; the finish reason is the continuation's.
+    version (and log-prob) of the policy that produced it; the finish reason is the continuation's. The
+    merged sample is built anew, so `Sample`'s check (one log-prob and one version per token) runs on it.
     """
-    for k in ("token_ids", "logprobs", "versions"):
-        if len(partial[k]) != len(partial["token_ids"]) or len(continuation[k]) != len(
-            continuation["token_ids"]
-        ):
-            raise ValueError(f"sample field {k!r} does not have one entry per token")
-    return {
-        **partial,
-        "token_ids": list(partial["token_ids"]) + list(continuation["token_ids"]),
-        "logprobs": list(partial["logprobs"]) + list(continuation["logprobs"]),
-        "versions": list(partial["versions"]) + list(continuation["versions"]),
-        "finish_reason": continuation["finish_reason"],
-    }
+    return replace(
+        partial,
+        token_ids=list(partial.token_ids) + list(continuation.token_ids),
+        logprobs=list(partial.logprobs) + list(continuation.logprobs),
+        versions=list(partial.versions) + list(continuation.versions),
+        finish_reason=continuation.finish_reason,
+    )

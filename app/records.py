@@ -1,12 +1,16 @@
-"""Typed records that cross role boundaries. Every generated token carries the policy version that sampled it."""
+"""Typed records that cross role boundaries. Every generated token carries the policy version that sampled it.
+
+All records are keyword-only dataclasses: a record is built by naming its fields, never by position.
+Records that are written to a checkpoint have `to_dict` / `from_dict` (plain JSON-able dictionaries).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sample:
     """One response of a group: tokens, behaviour log-probs and per-token policy versions."""
 
@@ -21,8 +25,55 @@ class Sample:
     replica: str = ""
     ref_logprobs: list[float] | None = None  # reference policy's, when computed off the trainer
 
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"a sample needs one log-prob and one version per token: {n} tokens, "
+                f"{len(self.logprobs)} log-probs, {len(self.versions)} versions"
+            )
 
-@dataclass
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
+        return cls(**_known(cls, d))
+
+
+@dataclass(kw_only=True)
+class Prompt:
+    """One prompt taken from the stream: what the rollouter generates a group for.
+
+    `prompt_ids` are token ids (a plain `list[int]` end to end). `partial` holds the samples generated so far
+    when a clean stop froze this prompt's generation (a partial rollout that a resumed run continues).
+    """
+
+    uid: str
+    prompt_ids: list[int]
+    answer: str
+    data_source: str = ""
+    prompt_text: str = ""
+    epoch: int = 0
+    index: int = 0
+    partial: list[Sample] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return group_key(self.epoch, self.uid)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Prompt:
+        d = _known(cls, d)
+        d["prompt_ids"] = [int(t) for t in d["prompt_ids"]]
+        d["partial"] = [Sample.from_dict(s) for s in d.get("partial", [])]
+        return cls(**d)
+
+
+@dataclass(kw_only=True)
 class Group:
     """All `rollout.n` samples of one prompt: the unit GRPO normalises over and the trainer consumes."""
 
@@ -47,19 +98,31 @@ class Group:
         """Identity of this group in the prompt stream: one per prompt per epoch (exactly-once accounting)."""
         return group_key(self.epoch, self.uid)
 
+    def prompt(self) -> Prompt:
+        """The prompt this group answers (to generate it again)."""
+        return Prompt(
+            uid=self.uid,
+            prompt_ids=list(self.prompt_ids),
+            answer=self.answer,
+            data_source=self.data_source,
+            prompt_text=self.prompt_text,
+            epoch=self.epoch,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Group:
-        return cls(**{**d, "samples": [Sample(**s) for s in d["samples"]]})
+        d = _known(cls, d)
+        return cls(**{**d, "samples": [Sample.from_dict(s) for s in d["samples"]]})
 
 
 def group_key(epoch: int, uid: str) -> str:
     return f"{epoch}:{uid}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Batch:
     """What the trainer trains on at one step, with the bookkeeping the metrics need."""
 
@@ -72,3 +135,85 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for g in self.groups for s in g.samples)
+
+
+@dataclass(kw_only=True)
+class GenerateRequest:
+    """One generation request to a rollout replica: token ids in, `n` samples out."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(kw_only=True)
+class GenerateResponse:
+    """A replica's answer: its samples (token ids, behaviour log-probs, per-token versions, finish reason),
+    unscored, and which replica at which weight version produced them."""
+
+    samples: list[Sample]
+    replica: str = ""
+    version: int = -1
+
+
+@dataclass(kw_only=True)
+class ValResult:
+    """One validation pass: mean reward over `n` prompts, the newest policy version that answered, and a
+    table of sample answers (uid, prompt, response, answer, reward, version) for the tracker."""
+
+    reward: float
+    n: int
+    seconds: float
+    version_max: int
+    version_min: int = -1
+    table: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class PipelineSnapshot:
+    """The rollout pipeline's state at a trainer step boundary (a checkpoint's `pipeline.json`).
+
+    `epoch`/`epoch_seen` are the stream position (prompt ids of the current epoch already taken); `ready` the
+    finished groups not yet trained; `pending` every other prompt taken from the stream and not yet trained,
+    with its partial samples where a freeze ended its generation. Restoring it trains each prompt of an epoch
+    exactly once.
+    """
+
+    epoch: int = 0
+    epoch_seen: list[str] = field(default_factory=list)
+    cursor: int = 0
+    taken: int = 0
+    version: int = 0
+    dropped_overlong: int = 0
+    ready: list[Group] = field(default_factory=list)
+    pending: list[Prompt] = field(default_factory=list)
+
+    @property
+    def partial_groups(self) -> int:
+        return sum(1 for p in self.pending if p.partial)
+
+    @property
+    def partial_tokens(self) -> int:
+        return sum(len(s.token_ids) for p in self.pending for s in p.partial)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["partial_groups"], d["partial_tokens"] = self.partial_groups, self.partial_tokens
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PipelineSnapshot:
+        d = _known(cls, d)
+        d["ready"] = [Group.from_dict(g) for g in d.get("ready", [])]
+        d["pending"] = [Prompt.from_dict(p) for p in d.get("pending", [])]
+        return cls(**d)
+
+
+def _known(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `d` that are fields of `cls` (a checkpoint may hold derived or older keys)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}

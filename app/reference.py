@@ -59,6 +59,8 @@ class RefPool:
     def __init__(self, cfg: Any, model_path: str) -> None:
         import ray
 
+        from app.resources import role_env
+
         r = cfg.ref
         cls = ray.remote(RefWorker)
         self.workers = [
@@ -66,6 +68,7 @@ class RefPool:
                 name=f"{cfg.ray.name}-ref-{i}",
                 num_cpus=r.worker_cpus,
                 num_gpus=r.worker_gpus,
+                runtime_env={"env_vars": role_env(r.worker_gpus)},  # a CPU reference sees no GPU
                 max_restarts=-1,
                 max_task_retries=2,  # a pure function of its inputs: safe to retry on a restarted worker
             ).remote(model_path, cfg.model.dtype, r.worker_gpus > 0)

@@ -1,8 +1,10 @@
-"""Admission control and partial-rollout bookkeeping of the fully asynchronous mode (pure functions)."""
+"""Admission control of the fully asynchronous mode: the pure functions, and the real `AsyncProducer` with the
+real `PromptStream` and `GroupGenerator` driven by a fake generation (heavy-tailed asyncio sleeps) and a fake
+trainer, over many seeded random setups."""
 
 from __future__ import annotations
 
-import heapq
+import asyncio
 import math
 import random
 from collections import Counter
@@ -10,7 +12,9 @@ from collections import Counter
 import pytest
 
 from app.admission import admission_limit, can_admit, merge_partial, over_bound, staleness_bound
-from app.records import Sample
+from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
+from app.rewards import RewardResult
+from app.rollout import AsyncProducer, GenSettings, GroupGenerator, ProducerSettings, PromptStream
 from app.train_loop import staleness_by_length_decile
 
 
@@ -24,18 +28,22 @@ def test_admission_limit_hand_values():
 
 
 def test_merge_partial_keeps_versions_and_logprobs():
-    part = {"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "versions": [3, 3], "finish_reason": "abort"}
-    cont = {"token_ids": [7], "logprobs": [-0.3], "versions": [4], "finish_reason": "stop"}
+    part = Sample(
+        token_ids=[5, 6], logprobs=[-0.1, -0.2], versions=[3, 3], finish_reason="abort", replica="r1"
+    )
+    cont = Sample(token_ids=[7], logprobs=[-0.3], versions=[4], finish_reason="stop", replica="r2")
     m = merge_partial(part, cont)
-    assert m["token_ids"] == [5, 6, 7] and m["logprobs"] == [-0.1, -0.2, -0.3]
-    assert m["versions"] == [3, 3, 4] and m["finish_reason"] == "stop"
-    with pytest.raises(ValueError, match="one entry per token"):
-        merge_partial({**part, "versions": [3]}, cont)
+    assert m.token_ids == [5, 6, 7] and m.logprobs == [-0.1, -0.2, -0.3]
+    assert m.versions == [3, 3, 4] and m.finish_reason == "stop" and m.replica == "r1"
+    assert part.token_ids == [5, 6]  # the partial itself is left as it was
+    part.versions = [3]  # a sample mutated out of shape: the merged one is checked again
+    with pytest.raises(ValueError, match="one version per token"):
+        merge_partial(part, cont)
 
 
 def test_staleness_by_length_decile():
     def s(n, v):
-        return Sample(list(range(n)), [0.0] * n, [v] * n, "stop")
+        return Sample(token_ids=list(range(n)), logprobs=[0.0] * n, versions=[v] * n, finish_reason="stop")
 
     # lengths 1..10 (one sample per decile); the longer half was sampled two versions earlier
     samples = [s(n, 5 if n <= 5 else 3) for n in range(10, 0, -1)]
@@ -44,150 +52,177 @@ def test_staleness_by_length_decile():
     assert staleness_by_length_decile([s(2, 4), s(1, 5)], 5) == [0.0, 1.0]
 
 
-def _simulate(eta: float, durations, B: int = 4, steps: int = 30) -> int:
-    """A discrete-event stream: groups take `durations()` each, finish into a FIFO queue, the trainer takes
-    B finished groups, trains (0.3) and pushes; admission follows app.admission. Returns the worst
-    staleness (trainer version minus the generating version) of a trained group."""
-    t, version, taken, queued, running = 0.0, 0, 0, [], []
-    worst, trained = 0, 0
-    while trained < steps:
-        limit = admission_limit(eta, version, B)
-        while len(running) < 64 and can_admit(taken, len(queued), len(running), limit):
-            heapq.heappush(running, (t + durations(), version))
-        if len(queued) >= B:
-            batch, queued = queued[:B], queued[B:]
-            taken += B
-            worst = max(worst, max(version - v for v in batch))
-            version += 1
-            trained += 1
-            t += 0.3
-            continue
-        t, v = heapq.heappop(running)
-        queued.append(v)
-    return worst
+UNIT_S = 0.0002  # one simulated time unit: the orders of finishing are what matter, not the durations
 
 
-@pytest.mark.parametrize("eta", [0, 1, 2, 0.5])
-def test_admission_bounds_staleness_without_stragglers(eta):
-    assert _simulate(eta, lambda: 1.0) <= math.ceil(eta)
-
-
-def test_admission_with_stragglers():
-    """eta = 0 is synchronous whatever the durations; with eta > 0 a group that finishes behind groups
-    started after it can land in a later batch: that is what `algorithm.over_bound` handles and counts."""
-    rng = random.Random(0)
-    assert _simulate(0, lambda: rng.uniform(0.5, 5.0)) == 0
-    assert _simulate(1, lambda: rng.choice([1.0, 1.0, 1.0, 9.0])) > 1
-
-
-def _stream(
-    rng: random.Random,
+async def _stream(
+    seed: int,
+    *,
     n_prompts: int,
     epochs: int,
     B: int,
     eta: float,
     sync_every: int,
     max_inflight: int,
+    over_bound: str,
     durations,
     train_time,
+    n: int = 1,
 ) -> tuple[list[tuple[str, int]], int, int]:
-    """The rollouter's fully_async policy as a discrete-event simulation with `over_bound=regenerate`.
+    """Runs the real producer against a fake trainer until the data drains.
 
-    Mirrors app/rollouter.py: the producer admits a group while `can_admit` (and fewer than `max_inflight`
-    generate); prompts come from a per-epoch shuffled stream, regenerated prompts first; finished groups
-    queue FIFO; the trainer takes up to B groups (fewer only at the end of the data), regenerating those
-    `over_bound`, trains, and pushes every `sync_every` steps. Checks the admission invariant at every
-    admission; returns the trained (uid, epoch) list, the number of regenerations and the worst
+    The fake generation checks the admission invariant whenever a group's sample starts, labels its tokens
+    with the version the replicas serve at its start, and sleeps `durations()` units; the fake trainer takes
+    B groups (fewer only at the end of the data), acknowledges them, trains `train_time()` units and pushes
+    every `sync_every` steps. Returns the trained (uid, epoch) list, the over-bound count and the worst
     staleness of a trained group."""
-    order = [[f"p{i}" for i in range(n_prompts)] for _ in range(epochs)]
-    for o in order:
-        rng.shuffle(o)
-    stream = [(uid, e) for e, o in enumerate(order) for uid in o]
-    retry: list[tuple[str, int]] = []
-    t, trainer_version, replica_version, taken = 0.0, 0, 0, 0
-    queued: list[tuple[str, int, int]] = []  # (uid, epoch, start version)
-    running: list[tuple[float, int, tuple[str, int, int]]] = []
-    trained: list[tuple[str, int]] = []
-    regenerated, worst, seq = 0, 0, 0
-    trainer_free_at = 0.0
-    for _ in range(100_000):
-        limit = admission_limit(eta, replica_version, B)
-        while len(running) < max_inflight and can_admit(taken, len(queued), len(running), limit):
-            if retry:
-                uid, ep = retry.pop(0)
-            elif stream:
-                uid, ep = stream.pop(0)
-            else:
-                break
-            seq += 1
-            heapq.heappush(running, (t + durations(), seq, (uid, ep, replica_version)))
-            assert taken + len(queued) + len(running) <= limit  # the admission invariant
-        exhausted = not stream and not retry and not running
-        if t >= trainer_free_at and (len(queued) >= B or (exhausted and queued)):
-            batch = []
-            while queued and len(batch) < B:
-                g = queued.pop(0)
-                if over_bound(trainer_version, g[2], eta):
-                    regenerated += 1
-                    retry.append(g[:2])
-                    continue
-                batch.append(g)
-            if not batch:
-                continue
-            taken += len(batch)
-            worst = max(worst, *(trainer_version - g[2] for g in batch))
-            trained += [g[:2] for g in batch]
-            trainer_version += 1
-            if trainer_version % sync_every == 0:
-                replica_version = trainer_version
-            trainer_free_at = t + train_time()
-            continue
-        if exhausted and not queued:
-            return trained, regenerated, worst
-        nxt = [
-            x
-            for x in (running[0][0] if running else None, trainer_free_at if trainer_free_at > t else None)
-            if x is not None
-        ]
-        assert nxt, "the simulated stream is wedged"
-        t = min(nxt)
-        while running and running[0][0] <= t:
-            queued.append(heapq.heappop(running)[2])
-    raise AssertionError("the simulated stream did not drain")
+    prompts = [Prompt(uid=f"p{i}", prompt_ids=[1 + i % 7], answer="1") for i in range(n_prompts)]
 
+    def epoch_rows(epoch: int):
+        order = list(prompts)
+        random.Random(seed * 1000 + epoch).shuffle(order)  # a per-epoch shuffle, as the rollouter's
+        return iter(order)
 
-@pytest.mark.parametrize("seed", range(200))
-def test_admission_random_orders_bound_and_exactly_once(seed):
-    """Random arrival and finish orders (heavy-tailed generation times, random training times, batch
-    sizes, bounds, push intervals, in-flight caps): with `over_bound=regenerate` no trained group exceeds
-    the bound, the admission invariant holds at every start, and every prompt is trained exactly once per
-    epoch."""
-    rng = random.Random(seed)
-    B = rng.choice([1, 2, 3, 4, 8])
-    eta = rng.choice([0, 0.5, 1, 1.5, 2, 3])
-    sync_every = rng.randint(1, max(1, math.floor(eta) + 1))
-    n, epochs = rng.randint(1, 40), rng.randint(1, 3)
-    tail = rng.choice([0.0, 0.1, 0.3])
+    stream = PromptStream(epoch_rows, epochs=epochs)
+    served = {"version": 0}
+    producer: AsyncProducer | None = None
 
-    def durations():
-        return rng.uniform(0.2, 1.0) * (rng.uniform(5, 30) if rng.random() < tail else 1.0)
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        p = producer
+        assert p.taken + len(p.ready) + p.running <= admission_limit(eta, p.version, B)  # the invariant
+        v = served["version"]
+        await asyncio.sleep(durations() * UNIT_S)
+        smp = Sample(token_ids=[3, 4], logprobs=[-0.5, -0.5], versions=[v, v], finish_reason="stop")
+        return GenerateResponse(samples=[smp], replica="fake", version=v)
 
-    trained, regenerated, worst = _stream(
-        rng, n, epochs, B, eta, sync_every, rng.randint(1, 64), durations, lambda: rng.uniform(0.01, 3.0)
+    async def score(data_source: str, text: str, answer: str) -> RewardResult:
+        return RewardResult(score=1.0)
+
+    gen = GroupGenerator(generate, lambda ids: " ".join(map(str, ids)), score, GenSettings(n=n, max_tokens=4))
+    settings = ProducerSettings(
+        max_staleness=eta, batch_groups=B, max_inflight=max_inflight, over_bound=over_bound, seed=seed
     )
-    assert worst <= staleness_bound(eta)
-    assert Counter(trained) == Counter((f"p{i}", e) for i in range(n) for e in range(epochs))
-    if eta == 0:
-        assert regenerated == 0  # synchronous: nothing can be stale
+    producer = AsyncProducer(stream, lambda p, s: gen.group(p, seed=s), settings)
+    await producer.start()
+    trained: list[tuple[str, int]] = []
+    version, worst = 0, 0
+    try:
+        while True:
+            batch = await producer.get_batch(B, version, timeout_s=20)
+            if not batch.groups:
+                break
+            assert len(batch.groups) == B or producer.drained  # a short batch only at the end of the data
+            worst = max(worst, *(version - g.min_version for g in batch.groups))
+            trained += [(g.uid, g.epoch) for g in batch.groups]
+            stream.ack([g.key for g in batch.groups])
+            await asyncio.sleep(train_time() * UNIT_S)
+            version += 1
+            if version % sync_every == 0:
+                served["version"] = version
+                await producer.on_push(version)
+    finally:
+        producer.stop()
+    assert not stream.outstanding  # every prompt taken was trained and acknowledged
+    return trained, producer.stats["async/over_bound"], worst
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 0.5])
+def test_admission_bounds_staleness_without_stragglers(eta):
+    trained, _, worst = asyncio.run(
+        _stream(
+            0,
+            n_prompts=24,
+            epochs=1,
+            B=4,
+            eta=eta,
+            sync_every=1,
+            max_inflight=64,
+            over_bound="train",
+            durations=lambda: 1.0,
+            train_time=lambda: 0.3,
+        )
+    )
+    assert worst <= math.ceil(eta) and len(trained) == 24
+
+
+def test_admission_with_stragglers():
+    """eta = 0 is synchronous whatever the durations; with eta > 0 a group that finishes behind groups
+    started after it can land in a later batch: `algorithm.over_bound=train` trains it and counts it."""
+    rng = random.Random(0)
+    common = dict(n_prompts=48, epochs=1, B=4, sync_every=1, max_inflight=64, over_bound="train")
+    _, over, worst = asyncio.run(
+        _stream(0, eta=0, durations=lambda: rng.uniform(0.5, 5.0), train_time=lambda: 0.3, **common)
+    )
+    assert worst == 0 and over == 0
+    _, over, worst = asyncio.run(
+        _stream(
+            1, eta=1, durations=lambda: rng.choice([1.0, 1.0, 1.0, 20.0]), train_time=lambda: 0.3, **common
+        )
+    )
+    assert worst > 1 and over > 0
+
+
+async def _random_setups(seeds: range) -> None:
+    for seed in seeds:
+        rng = random.Random(seed)
+        B = rng.choice([1, 2, 3, 4, 8])
+        eta = rng.choice([0, 0.5, 1, 1.5, 2, 3])
+        sync_every = rng.randint(1, max(1, math.floor(eta) + 1))
+        n_prompts, epochs = rng.randint(1, 30), rng.randint(1, 3)
+        tail = rng.choice([0.0, 0.1, 0.3])
+
+        def durations(rng=rng, tail=tail) -> float:
+            return rng.uniform(0.2, 1.0) * (rng.uniform(5, 30) if rng.random() < tail else 1.0)
+
+        trained, over, worst = await _stream(
+            seed,
+            n_prompts=n_prompts,
+            epochs=epochs,
+            B=B,
+            eta=eta,
+            sync_every=sync_every,
+            max_inflight=rng.randint(1, 64),
+            over_bound="regenerate",
+            durations=durations,
+            train_time=lambda rng=rng: rng.uniform(0.01, 3.0),
+            n=rng.choice([1, 2]),
+        )
+        setup = f"seed {seed}: B={B} eta={eta} sync_every={sync_every} prompts={n_prompts} epochs={epochs}"
+        assert worst <= staleness_bound(eta), setup
+        assert Counter(trained) == Counter((f"p{i}", e) for i in range(n_prompts) for e in range(epochs)), (
+            setup
+        )
+        if eta == 0:
+            assert over == 0, setup  # synchronous: nothing can be stale
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_admission_random_orders_bound_and_exactly_once(block):
+    """Random arrival and finish orders (heavy-tailed generation times, random training times, batch
+    sizes, bounds, push intervals, in-flight caps, group sizes): with `over_bound=regenerate` no trained
+    group exceeds the bound, the admission invariant holds at every start, and every prompt is trained
+    exactly once per epoch."""
+    asyncio.run(_random_setups(range(block * 20, block * 20 + 20)))
 
 
 def test_stragglers_are_regenerated_not_lost():
     """A heavy tail with eta = 1 does produce over-bound groups: they are regenerated, and still trained once."""
     rng = random.Random(1)
-    trained, regenerated, worst = _stream(
-        rng, 64, 1, 4, 1.0, 1, 32, lambda: rng.choice([1.0, 1.0, 1.0, 9.0]), lambda: 0.3
+    trained, over, worst = asyncio.run(
+        _stream(
+            1,
+            n_prompts=64,
+            epochs=1,
+            B=4,
+            eta=1.0,
+            sync_every=1,
+            max_inflight=32,
+            over_bound="regenerate",
+            durations=lambda: rng.choice([1.0, 1.0, 1.0, 20.0]),
+            train_time=lambda: 0.3,
+        )
     )
-    assert regenerated > 0 and worst <= 1
+    assert over > 0 and worst <= 1
     assert sorted(u for u, _ in trained) == sorted(f"p{i}" for i in range(64))
 
 

@@ -19,10 +19,10 @@ def logprob_loop(config: dict[str, Any]) -> None:
     from app.train_worker import TrainerSync, _bcast
 
     cfg = OmegaConf.create(config["cfg"])
-    learner = Learner(cfg, config["model_path"], torch.device("cpu"))
-    sync = TrainerSync(
-        cfg, learner, ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE), torch.device("cpu")
-    )
+    # the GPU test (tests/gpu/test_loop_gpu.py) runs this on cuda with the IPC transport
+    dev = torch.device("cuda", torch.cuda.current_device()) if config.get("cuda") else torch.device("cpu")
+    learner = Learner(cfg, config["model_path"], dev)
+    sync = TrainerSync(cfg, learner, ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE), dev)
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
     sync.push(0)
     batch = None
@@ -54,6 +54,8 @@ def logprob_loop(config: dict[str, Any]) -> None:
             "replica_version": info["version"],
             "push_bytes": push.nbytes,
             "push_buckets": push.buckets,
+            "push": {"total_s": push.total_s, "transfer_s": push.transfer_s, "ack_s": push.ack_s},
+            "transport": sync.transport_name,
             "token_versions": [s.versions for s in g.samples],
         }
         with open(config["out"], "w") as f:

@@ -1,0 +1,231 @@
+"""One prompt's GRPO group: generate its samples through a `GenerateFn`, score each as it finishes.
+
+Each sample of a group is its own request, so its reward starts the moment it finishes while the rest of
+the group is still generating. Where generation runs is behind `GenerateFn` (an async callable taking a
+`GenerateRequest` and returning a `GenerateResponse`): in production a thin wrapper over the Serve handle,
+in tests a fake.
+
+Partial rollouts (`rollout.partial`): with `keep` and `off` the replica handles a push itself; with
+`resubmit` a sample aborted by a push comes back with finish reason 'abort' and goes out again as prompt +
+partial response until it finishes (`admission.merge_partial`: every token keeps its version and log-prob).
+`freezing` (a checkpoint's clean stop) ends this: a group with an aborted sample raises `Frozen` carrying its
+samples so far, which the snapshot saves and a restored run continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from app import admission
+from app.records import GenerateRequest, GenerateResponse, Group, Prompt, Sample
+from app.rewards import RewardResult
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 3  # a replica that died mid-request: Serve routes the retry elsewhere
+MAX_RESUBMITS = 100
+
+
+class GenerateFn(Protocol):
+    async def __call__(self, req: GenerateRequest) -> GenerateResponse: ...
+
+
+ScoreFn = Callable[[str, str, str], Awaitable[RewardResult]]  # (data_source, text, answer)
+
+
+class RefFill(Protocol):
+    async def fill(self, group: Group) -> None: ...
+
+
+class Frozen(Exception):
+    """A group whose generation a checkpoint's freeze ended: `samples` are kept as a partial rollout."""
+
+    def __init__(self, key: str, samples: list[Sample]) -> None:
+        super().__init__(key)
+        self.key, self.samples = key, samples
+
+
+@dataclass(kw_only=True)
+class GenSettings:
+    n: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    partial: str = "keep"
+    request_timeout_s: float = 300.0
+    lengths: tuple[float, int] | None = None
+    seed: int = 0
+    retry_backoff_s: float = 0.5
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> GenSettings:
+        from app.config import parse_lengths
+
+        r = cfg.rollout
+        return cls(
+            n=r.n,
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            ignore_eos=r.ignore_eos,
+            partial=r.partial,
+            request_timeout_s=r.request_timeout_s,
+            lengths=parse_lengths(r.lengths),
+            seed=cfg.seed,
+        )
+
+
+class GroupGenerator:
+    """Generates and scores groups; `inflight` holds the keys of groups generating now."""
+
+    def __init__(
+        self,
+        generate: GenerateFn,
+        decode: Callable[[list[int]], str],
+        score: ScoreFn,
+        settings: GenSettings,
+        refs: RefFill | None = None,
+        stats: Counter[str] | None = None,
+    ) -> None:
+        self.generate, self.decode, self.score = generate, decode, score
+        self.s = settings
+        self.refs = refs
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.inflight: set[str] = set()
+        self.freezing = False
+
+    async def group(
+        self,
+        prompt: Prompt,
+        *,
+        seed: int | None,
+        n: int | None = None,
+        temperature: float | None = None,
+        train: bool = True,
+        score_now: bool = True,
+    ) -> Group:
+        """One prompt's group of `n` samples (a restored prompt continues its partial samples). Rewards
+        are scored as each sample finishes unless `score_now` is false (then call `score_group`)."""
+        temp = self.s.temperature if temperature is None else temperature
+        req = GenerateRequest(
+            prompt_ids=list(prompt.prompt_ids),
+            max_tokens=admission.response_budget(self.s.lengths, prompt.uid, self.s.seed, self.s.max_tokens),
+            temperature=temp,
+            top_p=self.s.top_p if temp > 0 else 1.0,
+            seed=seed,
+            ignore_eos=self.s.ignore_eos,
+        )
+        key = prompt.key if train else f"val:{prompt.uid}"
+        if prompt.partial:
+            self.stats["ckpt/resumed_partial_groups"] += 1
+        count = len(prompt.partial) if prompt.partial else (n or self.s.n)
+        self.inflight.add(key)
+        try:
+            outs = await asyncio.gather(
+                *[
+                    self._sample(
+                        prompt,
+                        replace(req, seed=None if seed is None else seed + i),
+                        replace(prompt.partial[i]) if prompt.partial else None,
+                        score_now,
+                    )
+                    for i in range(count)
+                ]
+            )
+        finally:
+            self.inflight.discard(key)
+        if train and self.freezing and any(s.finish_reason == "abort" for s, _ in outs):
+            raise Frozen(key, [s for s, _ in outs])
+        for s, res in outs:
+            self._set_reward(s, res)
+        g = Group(
+            uid=prompt.uid,
+            prompt_ids=list(prompt.prompt_ids),
+            answer=prompt.answer,
+            samples=[s for s, _ in outs],
+            epoch=prompt.epoch,
+            prompt_text=prompt.prompt_text,
+            data_source=prompt.data_source,
+        )
+        if train and score_now and self.refs is not None:
+            await self.refs.fill(g)
+        return g
+
+    def _set_reward(self, s: Sample, res: RewardResult | None) -> None:
+        if res is None:
+            s.reward, s.reward_error, s.reward_extras = 0.0, "unscored", {}
+            return
+        if res.error:
+            self.stats[f"reward/errors_{res.error}"] += 1
+        s.reward, s.reward_error, s.reward_extras = res.score, res.error, dict(res.extras or {})
+
+    async def score_group(self, g: Group) -> Group:
+        """Score a group generated with score_now=False (reward.overlap=false: after the whole batch)."""
+        results = await asyncio.gather(*[self.score(g.data_source, s.text, g.answer) for s in g.samples])
+        for s, res in zip(g.samples, results, strict=True):
+            self._set_reward(s, res)
+        if self.refs is not None:
+            await self.refs.fill(g)
+        return g
+
+    async def _sample(
+        self, prompt: Prompt, req: GenerateRequest, sample: Sample | None, score_now: bool
+    ) -> tuple[Sample, RewardResult | None]:
+        """Generate (or continue) one sample, then score it at once: (sample, reward or None)."""
+        if sample is None:
+            resp = await self._request(prompt.uid, req)
+            sample = resp.samples[0]
+            sample.replica = sample.replica or resp.replica
+        if self.s.partial == "resubmit" or sample.finish_reason == "abort":
+            sample = await self._complete(req, sample)
+        if self.freezing and sample.finish_reason == "abort":
+            return sample, None
+        sample.text = self.decode(sample.token_ids)
+        if not score_now:
+            return sample, None
+        return sample, await self.score(prompt.data_source, sample.text, prompt.answer)
+
+    async def _request(self, uid: str, req: GenerateRequest) -> GenerateResponse:
+        last: Exception | None = None
+        for attempt in range(ATTEMPTS):
+            try:
+                return await asyncio.wait_for(self.generate(req), timeout=self.s.request_timeout_s)
+            except asyncio.TimeoutError:
+                last = TimeoutError(
+                    f"generation for prompt {uid} took over rollout.request_timeout_s={self.s.request_timeout_s}s"
+                )
+            except Exception as e:
+                last = e
+                self.stats["rollout/request_retries"] += 1
+                await asyncio.sleep(self.s.retry_backoff_s * (attempt + 1))
+        raise RuntimeError(f"rollout failed for prompt {uid} after {ATTEMPTS} attempts: {last}") from last
+
+    async def _complete(self, req: GenerateRequest, sample: Sample) -> Sample:
+        """A sample aborted by a push goes back as prompt + partial response until it finishes; its
+        earlier tokens keep their versions and behaviour log-probs."""
+        rounds = 0
+        while (
+            sample.finish_reason == "abort" and len(sample.token_ids) < req.max_tokens and not self.freezing
+        ):
+            rounds += 1
+            if rounds > MAX_RESUBMITS:
+                raise RuntimeError(
+                    f"a sample was aborted by {MAX_RESUBMITS} pushes in a row; is generation progressing?"
+                )
+            self.stats["async/resubmitted"] += 1
+            cont = replace(
+                req,
+                prompt_ids=req.prompt_ids + sample.token_ids,
+                n=1,
+                max_tokens=req.max_tokens - len(sample.token_ids),
+                seed=None,
+            )
+            resp = await asyncio.wait_for(self.generate(cont), timeout=self.s.request_timeout_s)
+            sample = admission.merge_partial(sample, resp.samples[0])
+        return sample

@@ -1,0 +1,154 @@
+"""The rollout pipeline's parts without Ray: the prompt stream (exactly-once across epochs, retries, restore
+mid-epoch, overlong counting) and the group generator (partial rollouts, freeze, rewards) on a fake
+generation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from app.data import DataError
+from app.records import GenerateRequest, GenerateResponse, Group, PipelineSnapshot, Prompt, Sample
+from app.rewards import RewardResult
+from app.rollout import Frozen, GenSettings, GroupGenerator, PromptStream
+
+
+def _rows(n: int, long: set[int] = frozenset()):
+    prompts = [Prompt(uid=f"p{i}", prompt_ids=[1] * (9 if i in long else 2), answer="a") for i in range(n)]
+
+    def epoch_rows(epoch: int):
+        order = list(prompts)
+        random.Random(epoch).shuffle(order)
+        return iter(order)
+
+    return epoch_rows
+
+
+def _group(p: Prompt) -> Group:
+    s = Sample(token_ids=[1], logprobs=[0.0], versions=[0], finish_reason="stop")
+    return Group(uid=p.uid, prompt_ids=p.prompt_ids, answer=p.answer, samples=[s], epoch=p.epoch)
+
+
+def test_stream_exactly_once_across_epochs_with_retries():
+    stream = PromptStream(_rows(5), epochs=3)
+    seen: list[tuple[str, int]] = []
+    while True:
+        got = stream.take(2)
+        if not got:
+            break
+        for p in got:
+            if p.uid == "p3" and p.epoch == 1 and ("p3", 1, "retried") not in seen:
+                seen.append(("p3", 1, "retried"))
+                stream.retry(p)  # failed once: handed out again before any fresh prompt
+                continue
+            seen.append((p.uid, p.epoch))
+        stream.ack([f"{p.epoch}:{p.uid}" for p in got if (p.uid, p.epoch) in seen])
+    trained = [s for s in seen if len(s) == 2]
+    assert Counter(trained) == Counter((f"p{i}", e) for i in range(5) for e in range(3))
+    assert stream.exhausted and not stream.outstanding and stream.cursor == 15
+
+
+def test_stream_restore_mid_epoch_trains_each_prompt_once():
+    stream = PromptStream(_rows(6), epochs=2)
+    first = stream.take(4)  # 0: trained; 1: finished, not trained; 2-3: generating at the checkpoint
+    stream.ack([first[0].key])
+    part = Sample(token_ids=[7], logprobs=[-1.0], versions=[0], finish_reason="abort")
+    stream.keep_partial(first[3].key, [part])
+    snap = stream.snapshot([_group(first[1])])
+    snap = PipelineSnapshot.from_dict(json.loads(json.dumps(snap.to_dict())))  # through pipeline.json
+    assert [p.uid for p in snap.pending] == [first[2].uid, first[3].uid]
+    assert snap.partial_groups == 1 and snap.partial_tokens == 1
+
+    resumed = PromptStream(_rows(6), epochs=2)
+    resumed.restore(snap)
+    again = resumed.take(2)  # the pending prompts first, the frozen one with its partial samples
+    assert [p.uid for p in again] == [first[2].uid, first[3].uid] and again[1].partial == [part]
+    rest = []
+    while got := resumed.take(3):
+        rest += got
+    trained = [first[0], first[1], *again, *rest]
+    assert Counter((p.uid, p.epoch) for p in trained) == Counter(
+        (f"p{i}", e) for i in range(6) for e in range(2)
+    )
+    assert resumed.take(1, generation=0) == []  # a request from before the restore gets nothing
+
+
+def test_stream_counts_overlong_and_fails_without_usable_prompts():
+    stream = PromptStream(_rows(4, long={1, 2}), epochs=1, max_prompt_tokens=4)
+    got = stream.take(10)
+    assert sorted(p.uid for p in got) == ["p0", "p3"] and stream.dropped_overlong == 2
+    with pytest.raises(DataError, match="no usable prompt"):
+        PromptStream(_rows(2, long={0, 1}), max_prompt_tokens=4).take(1)
+
+
+class FakeReplica:
+    """A `GenerateFn`: `abort_first` requests end with 'abort' after one token (a push under resubmit)."""
+
+    def __init__(self, abort_first: int = 0, version: int = 0) -> None:
+        self.abort_left, self.version, self.calls = abort_first, version, []
+
+    async def __call__(self, req: GenerateRequest) -> GenerateResponse:
+        self.calls.append(req)
+        await asyncio.sleep(0)
+        if self.abort_left > 0:
+            self.abort_left -= 1
+            k, reason = 1, "abort"
+        else:
+            k, reason = req.max_tokens, "length"
+        smp = Sample(
+            token_ids=[5] * k, logprobs=[-0.1] * k, versions=[self.version] * k, finish_reason=reason
+        )
+        self.version += 1
+        return GenerateResponse(samples=[smp], replica="r0", version=self.version)
+
+
+async def _score(data_source: str, text: str, answer: str) -> RewardResult:
+    return RewardResult(score=float(len(text.split())), error="timeout" if answer == "bad" else None)
+
+
+def _gen(fake: FakeReplica, **kw) -> GroupGenerator:
+    return GroupGenerator(
+        fake, lambda ids: " ".join(map(str, ids)), _score, GenSettings(n=2, max_tokens=4, **kw)
+    )
+
+
+def test_generator_resubmit_merges_partial_and_scores():
+    fake = FakeReplica(abort_first=2)
+    gen = _gen(fake, partial="resubmit")
+    g = asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="bad"), seed=3))
+    assert len(g.samples) == 2 and all(len(s.token_ids) == 4 for s in g.samples)
+    assert all(s.reward == 4.0 and s.reward_error == "timeout" for s in g.samples)
+    assert gen.stats["async/resubmitted"] == 2 and gen.stats["reward/errors_timeout"] == 2
+    conts = [r for r in fake.calls if len(r.prompt_ids) == 3]  # prompt + the aborted token
+    assert len(conts) == 2 and all(r.max_tokens == 3 and r.seed is None for r in conts)
+    assert all(s.versions[0] < s.versions[1] for s in g.samples)  # tokens keep their own versions
+
+
+def test_generator_freeze_and_continue_partial():
+    fake = FakeReplica(abort_first=2)
+    gen = _gen(fake, partial="keep")
+    gen.freezing = True
+    with pytest.raises(Frozen) as e:
+        asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1], answer="a", epoch=1), seed=0))
+    assert e.value.key == "1:u" and [len(s.token_ids) for s in e.value.samples] == [1, 1]
+    gen.freezing = False  # a restored run continues the partial samples
+    p = Prompt(uid="u", prompt_ids=[1], answer="a", epoch=1, partial=e.value.samples)
+    g = asyncio.run(gen.group(p, seed=0))
+    assert [len(s.token_ids) for s in g.samples] == [4, 4] and gen.stats["ckpt/resumed_partial_groups"] == 1
+    assert not gen.inflight
+
+
+def test_generator_retries_a_failed_request_then_fails_clearly():
+    class Flaky(FakeReplica):
+        async def __call__(self, req: GenerateRequest) -> GenerateResponse:
+            self.calls.append(req)
+            raise ConnectionError("replica died")
+
+    gen = _gen(Flaky(), retry_backoff_s=0.0)
+    with pytest.raises(RuntimeError, match="prompt u after 3 attempts: replica died"):
+        asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1], answer="a"), seed=0, n=1))
+    assert gen.stats["rollout/request_retries"] == 3
