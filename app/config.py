@@ -528,7 +528,7 @@ class ResourcesConfig(_Section):
 @dataclass
 class TrackingConfig(_Section):
     uri: str = ""
-    """MLflow tracking URI; empty means a local store under `run_dir`/mlruns."""
+    """MLflow tracking URI; empty means a local SQLite store, `run_dir`/mlflow.db."""
     experiment: str = "relay"
     """MLflow experiment name."""
     run_name: str = ""
@@ -566,8 +566,10 @@ class RelayConfig(_Section):
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    run_dir: str = "runs"
-    """Where run outputs go (MLflow store, resolved config, final checkpoint)."""
+    run_dir: str = "~/relay-runs"
+    """Where run outputs go (run folder, checkpoints, the default MLflow store): an absolute path that outlives
+    a Ray job (a relative one inside a job's working-directory copy is refused: app/storage.py); on several
+    nodes, a path on storage every node mounts."""
     seed: int = 0
     """Global seed (model build, sampling seeds)."""
     log_level: LogLevel = "INFO"

