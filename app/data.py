@@ -129,6 +129,36 @@ def normalize_row(rec: Any, path: str | Path, row: int, line: int | None = None)
     )
 
 
+def decode_line(text: str, path: str | Path, row: int, line: int) -> Any:
+    """One non-blank `.jsonl` line as its JSON value; DataError naming the file, row and line if malformed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{_where(Path(path), row, line)}: invalid JSON ({e.msg} at column {e.colno}); {_JSONL_FORMAT}"
+        ) from e
+
+
+def check_columns(path: str | Path, columns: list[str]) -> None:
+    """DataError unless a parquet file has the columns of a prompt file (verl or plain layout)."""
+    cols = set(columns)
+    if "prompt" not in cols or not ({"reward_model", "answer"} & cols):
+        raise DataError(f"{path}: columns {sorted(cols)}; {_PARQUET_FORMAT}")
+
+
+def duplicate_id(path: str | Path, uid: str, row: int, line: int | None, first_row: int) -> DataError:
+    """The error for a row whose id an earlier row (`first_row`) already has."""
+    return DataError(
+        f"{_where(Path(path), row, line)}: duplicate id {uid!r} (also row {first_row}); ids must be unique"
+    )
+
+
+def no_rows(path: str | Path) -> DataError:
+    """The error for a prompt file without a single row."""
+    fmt = _JSONL_FORMAT if Path(path).suffix.lower() == ".jsonl" else _PARQUET_FORMAT
+    return DataError(f"{path}: no rows; {fmt}")
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -138,13 +168,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{_where(path, row, lineno)}: invalid JSON ({e.msg} at column {e.colno}); {_JSONL_FORMAT}"
-            ) from e
-        yield row, lineno, rec
+        yield row, lineno, decode_line(line, path, row, lineno)
         row += 1
 
 
@@ -155,9 +179,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
         table = pq.read_table(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
-    cols = set(table.column_names)
-    if "prompt" not in cols or not ({"reward_model", "answer"} & cols):
-        raise DataError(f"{path}: columns {sorted(cols)}; {_PARQUET_FORMAT}")
+    check_columns(path, table.column_names)
     for row, rec in enumerate(table.to_pylist()):
         yield row, None, rec
 
@@ -194,13 +216,11 @@ def load_rows(path: str) -> list[PromptRow]:
     for row, line, rec in _jsonl_records(p) if is_jsonl else _parquet_records(p):
         r = normalize_row(rec, p, row, line)
         if r.uid in seen:
-            raise DataError(
-                f"{_where(p, row, line)}: duplicate id {r.uid!r} (also row {seen[r.uid]}); ids must be unique"
-            )
+            raise duplicate_id(p, r.uid, row, line, seen[r.uid])
         seen[r.uid] = row
         rows.append(r)
     if not rows:
-        raise DataError(f"{path}: no rows; {_JSONL_FORMAT if is_jsonl else _PARQUET_FORMAT}")
+        raise no_rows(path)
     return rows
 
 

@@ -1,18 +1,125 @@
-"""The prompt files as Ray Data datasets: read and validated (app.data), tokenized, typed as `Prompt`s.
+"""The prompt files as Ray Data datasets: streamed, validated (app.data), tokenized, typed as `Prompt`s.
 
-The training file is streamed: read by Ray Data's readers in tasks, tokenized in a `map_batches` stage and
-kept in the object store (which spills to disk), so no single process holds the whole file. Overlong
-prompts are flagged here (`data.truncation=error` fails naming the file and row); the `PromptStream`
-counts and skips them.
+A file is never whole in one process. One Ray Data read task per file (`PromptFile`, pinned to the
+rollouter's node, where the path was checked) reads it block by block: `.jsonl` line by line, `.parquet`
+batch by batch. That reader numbers the rows (and JSONL lines) as it goes, so the numbers are exact by
+construction, whatever order later stages see the blocks in: they are in every error message and are the
+default uids. JSON is decoded per line (not `read_json`: Arrow's schema inference breaks when `prompt` is
+a string in some rows and messages in others, and line numbers would be lost).
+
+Stages: read -> `Normalize` (one actor: `app.data.normalize_row` per record, plus the duplicate-id check,
+which needs every id of the file in one place) -> `Tokenize` (chat template; `data.truncation=error`
+fails on an overlong prompt, naming the file and row; under `drop` the `PromptStream` counts and skips
+them). The training set is materialized once (token ids are small; the object store spills to disk).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from app.data import DataError, PromptRow, render_prompt
+from app.data import (
+    DataError,
+    PromptRow,
+    check_columns,
+    check_path,
+    decode_line,
+    duplicate_id,
+    no_rows,
+    normalize_row,
+    render_prompt,
+)
 from app.records import Prompt
+
+BLOCK_ROWS = 4096  # rows per block the reader yields: bounded memory whatever the file's size
+ROW = "_relay_row"  # the row-number column the parquet reader adds to the file's own columns
+COLUMNS = ("uid", "prompt", "is_chat", "answer", "data_source", "index")
+
+
+def is_parquet(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".parquet"
+
+
+def jsonl_blocks(path: str, block_rows: int = BLOCK_ROWS) -> Iterator[Any]:
+    """The non-blank lines of a `.jsonl` file as Arrow blocks of (row, line, text), read line by line.
+
+    Rows count non-blank lines from 0 and lines from 1, as `app.data.load_rows` does.
+    """
+    import pyarrow as pa
+
+    cols: dict[str, list] = {"row": [], "line": [], "text": []}
+    row = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path} line {lineno}: not UTF-8 text ({e}); save it as UTF-8 JSON lines"
+                ) from e
+            if not text.strip():
+                continue
+            cols["row"].append(row)
+            cols["line"].append(lineno)
+            cols["text"].append(text)
+            row += 1
+            if len(cols["row"]) >= block_rows:
+                yield pa.table(cols)
+                cols = {k: [] for k in cols}
+    if cols["row"]:
+        yield pa.table(cols)
+
+
+def parquet_blocks(path: str, block_rows: int = BLOCK_ROWS) -> Iterator[Any]:
+    """A `.parquet` file's batches as Arrow blocks, with its 0-based row numbers in column `ROW`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    start = 0
+    with pq.ParquetFile(path) as f:
+        for batch in f.iter_batches(batch_size=block_rows):
+            table = pa.Table.from_batches([batch])
+            yield table.append_column(ROW, pa.array(range(start, start + table.num_rows), pa.int64()))
+            start += table.num_rows
+
+
+class Normalize:
+    """Ray Data stage (one actor: one set of ids per file): the reader's records as checked prompt rows.
+
+    Row numbers come with the records, so batches may arrive in any order; a duplicate id names the later
+    row and the earlier one, as `load_rows` does.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path, self.jsonl = path, not is_parquet(path)
+        self.seen: dict[str, tuple[int, int | None]] = {}  # uid -> (row, line) of its first row
+
+    def rows(self, batch: Any) -> list[PromptRow]:
+        """The records of one Arrow block (see `jsonl_blocks` / `parquet_blocks`) as checked PromptRows."""
+        out: list[PromptRow] = []
+        for rec in batch.to_pylist():
+            if self.jsonl:
+                row, line = rec["row"], rec["line"]
+                rec = decode_line(rec["text"], self.path, row, line)
+            else:
+                row, line = rec.pop(ROW), None
+            r = normalize_row(rec, self.path, row, line)
+            first = self.seen.setdefault(r.uid, (row, line))
+            if first[0] != row:
+                (row0, _), (row1, line1) = sorted([first, (row, line)], key=lambda x: x[0])
+                raise duplicate_id(self.path, r.uid, row1, line1, row0)
+            out.append(r)
+        return out
+
+    def __call__(self, batch: Any) -> dict[str, list]:
+        plain = [plain_row(r) for r in self.rows(batch)]
+        return {k: [p[k] for p in plain] for k in COLUMNS}
 
 
 class Tokenize:
@@ -26,15 +133,8 @@ class Tokenize:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         ids_col: list[list[int]] = []
-        for i, uid in enumerate(batch["uid"]):
-            text = str(batch["prompt"][i])
-            row = PromptRow(
-                uid=str(uid),
-                prompt=json.loads(text) if batch["is_chat"][i] else text,
-                answer=str(batch["answer"][i]),
-                data_source=str(batch["data_source"][i]),
-                index=int(batch["index"][i]),
-            )
+        for i in range(len(batch["uid"])):
+            row = prompt_row({k: batch[k][i] for k in COLUMNS})
             ids = render_prompt(row, self.tok)
             if len(ids) > self.max_tokens and self.truncation == "error":
                 raise DataError(
@@ -59,33 +159,166 @@ def plain_row(r: PromptRow) -> dict[str, Any]:
     }
 
 
-def read_prompts(path: str):
-    """The validated rows of one prompt file as a Ray Data dataset (errors name the file and row)."""
+def prompt_row(rec: dict[str, Any]) -> PromptRow:
+    """A Ray Data row of `plain_row`'s columns (numpy scalars allowed) back as a PromptRow."""
+    text = str(rec["prompt"])
+    return PromptRow(
+        uid=str(rec["uid"]),
+        prompt=json.loads(text) if bool(rec["is_chat"]) else text,
+        answer=str(rec["answer"]),
+        data_source=str(rec["data_source"]),
+        index=int(rec["index"]),
+    )
+
+
+def read_prompts(path: str, limit: int = 0):
+    """The checked rows of one prompt file (`limit` > 0: its first `limit` rows) as a Ray Data dataset of
+    `plain_row` columns. Errors (raised when the dataset executes) name the file and the row / line."""
     import ray
 
-    from app.data import load_rows
+    configure_data_context()
+    p = check_path(path)  # here, on the rollouter's node, where the read task is pinned
+    if is_parquet(p):
+        check_columns(p, _parquet_columns(p))
+    ds = ray.data.read_datasource(_prompt_file(str(p)), num_cpus=0.25)
+    if limit > 0:
+        ds = ds.limit(limit)
+    return ds.map_batches(
+        Normalize,
+        fn_constructor_args=(str(p),),
+        batch_format="pyarrow",
+        batch_size=1024,
+        compute=ray.data.ActorPoolStrategy(size=1),
+        num_cpus=0.25,
+    )
 
-    # TODO(issue 11, part 6): read with ray.data.read_json/read_parquet + a row-normalising map_batches
-    # (app.data), so that the file is never whole in one process; today it is loaded here, in the
-    # rollouter actor (no longer in the driver).
-    return ray.data.from_items([plain_row(r) for r in load_rows(path)])
+
+def configure_data_context() -> None:
+    """This process's Ray Data settings for the prompt datasets (taken by every dataset built after)."""
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    # file order when data.shuffle is off, and the seeded per-epoch shuffles reproducible
+    ctx.execution_options.preserve_order = True
+    # a bad row's DataError reaches the caller as itself, not as a UserCodeException that loses it
+    ctx.raise_original_map_exception = True
+
+
+def _parquet_columns(p: Path) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(p).names)
+    except Exception as e:
+        raise DataError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from e
+
+
+@functools.cache
+def _prompt_file_class() -> type:
+    """`PromptFile`, a Ray Data `Datasource` (built on first use: `ray.data` is imported lazily)."""
+    from ray.data import Datasource, ReadTask
+    from ray.data.block import BlockMetadata
+
+    class PromptFile(Datasource):
+        """One prompt file as one read task, on this node (the path is local to it)."""
+
+        def __init__(self, path: str) -> None:
+            super().__init__()
+            self.path = path
+
+        def get_name(self) -> str:
+            return "ReadPromptFile"
+
+        @property
+        def supports_distributed_reads(self) -> bool:
+            return False  # Ray Data then runs the read on the node that builds the dataset
+
+        def estimate_inmemory_data_size(self) -> int | None:
+            return os.path.getsize(self.path)
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, **_: Any) -> list:
+            blocks = parquet_blocks if is_parquet(self.path) else jsonl_blocks
+            meta = BlockMetadata(
+                num_rows=None,
+                size_bytes=self.estimate_inmemory_data_size(),
+                input_files=[self.path],
+                exec_stats=None,
+            )
+            read = functools.partial(blocks, self.path)
+            return [ReadTask(read, meta, per_task_row_limit=per_task_row_limit)]
+
+    return PromptFile
+
+
+def _prompt_file(path: str) -> Any:
+    return _prompt_file_class()(path)
 
 
 def prompt_dataset(path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str, limit: int = 0):
     """The tokenized prompts of one file (`limit` > 0: its first `limit` rows) as a Ray Data dataset."""
     import ray
 
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    ds = read_prompts(path)
-    if limit > 0:
-        ds = ds.limit(limit)
-    return ds.map_batches(
+    return read_prompts(path, limit).map_batches(
         Tokenize,
-        fn_constructor_args=(tokenizer_path, max_prompt_tokens, truncation, path),
+        fn_constructor_args=(tokenizer_path, max_prompt_tokens, truncation, str(Path(path))),
         batch_size=256,
         compute=ray.data.ActorPoolStrategy(size=1),
         num_cpus=0.25,
     )
+
+
+def train_dataset(path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str):
+    """The tokenized training prompts, read once and materialized (the PromptStream shuffles per epoch)."""
+    with data_errors():
+        ds = prompt_dataset(path, tokenizer_path, max_prompt_tokens, truncation).materialize()
+    if ds.count() == 0:
+        raise no_rows(check_path(path))
+    return ds
+
+
+def val_prompts(
+    path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str, val_size: int
+) -> list[Prompt]:
+    """The first `val_size` (0: all) validation prompts that fit `max_prompt_tokens`."""
+    with data_errors():
+        rows = prompt_dataset(path, tokenizer_path, max_prompt_tokens, truncation, limit=val_size).take_all()
+    if not rows:
+        raise no_rows(check_path(path))
+    return [p for p in map(to_prompt, rows) if len(p.prompt_ids) <= max_prompt_tokens]
+
+
+# what Ray Data appends to a failed map's exception (its retry context): not part of the row's error
+_RETRY_NOTE = re.compile(r"\nFailed to .* after \d+/\d+ attempts \(total backoff [0-9.]+s\)\.[\s\S]*\Z")
+
+
+def _data_error(exc: BaseException) -> DataError | None:
+    """The DataError behind an error of a Ray Data execution (a task error inside a user-code error)."""
+    from ray.exceptions import RayError
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        cause = getattr(e, "cause", None)  # RayTaskError: the exception the task raised
+        if isinstance(cause, DataError):
+            return cause
+        if isinstance(e, DataError) and not isinstance(e, RayError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def data_errors() -> Iterator[None]:
+    """Re-raise a bad row found in a Ray Data task as a plain DataError: its message, not Ray's wrapping."""
+    try:
+        yield
+    except Exception as e:
+        found = _data_error(e)
+        if found is None:
+            raise
+        raise DataError(_RETRY_NOTE.sub("", str(found))) from None
 
 
 def to_prompt(row: dict[str, Any]) -> Prompt:
