@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,20 +23,31 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from app.config import flatten, to_container
-from app.data import PromptRow, load_rows
+from app.data import PromptRow, check_file, load_rows
 
 log = logging.getLogger("app.driver")
 
 
 @dataclass
 class Inputs:
+    """The model folder and the prompt files. The rollouter reads the files itself (in Ray Data), so the
+    driver never holds a dataset; `train_rows`/`val_rows` load one whole, for tools and tests."""
+
     model_path: str
-    train_rows: list[PromptRow]
-    val_rows: list[PromptRow]
+    train: str
+    val: str
+
+    @property
+    def train_rows(self) -> list[PromptRow]:
+        return load_rows(self.train)
+
+    @property
+    def val_rows(self) -> list[PromptRow]:
+        return load_rows(self.val)
 
 
 def resolve_inputs(cfg: DictConfig) -> Inputs:
-    """The model folder and the prompt rows, building the embedded default where asked."""
+    """The model folder and the prompt files, building the embedded default where asked."""
     root = None
     model_path = cfg.model.path
     if model_path == "builtin:tiny" or "builtin:arith" in (cfg.data.train, cfg.data.val):
@@ -54,20 +66,21 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
             "point it at a local checkpoint or use builtin:tiny"
         )
 
-    def rows(spec: str, split: str) -> list[PromptRow]:
+    def path(spec: str, split: str) -> str:
         if spec == "builtin:arith":
-            return load_rows(str(root / f"{split}.jsonl"))
+            return str(root / f"{split}.jsonl")
         if spec == "builtin:code":
             from app.code_task import ensure_code_task
 
-            return load_rows(str(ensure_code_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl"))
+            return str(ensure_code_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
         if spec.startswith("builtin:"):
             raise ValueError(
                 f"data.{split}={spec!r}: unknown built-in task; available: builtin:arith, builtin:code"
             )
-        return load_rows(spec)
+        check_file(spec)  # a missing file or an unknown format fails here, before the cluster starts
+        return str(Path(spec).resolve())
 
-    return Inputs(str(Path(model_path).resolve()), rows(cfg.data.train, "train"), rows(cfg.data.val, "val"))
+    return Inputs(str(Path(model_path).resolve()), path(cfg.data.train, "train"), path(cfg.data.val, "val"))
 
 
 def start_ray(cfg: DictConfig) -> bool:
@@ -76,7 +89,14 @@ def start_ray(cfg: DictConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "RELAY_LOG_LEVEL": cfg.log_level}
+    # Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for roles that asked for no GPU (they would see every GPU);
+    # this makes it hide the GPUs from them (app/resources.py also hides them per role)
+    env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"
+    if os.environ.get(
+        "TQDM_DISABLE"
+    ):  # no bars in logs (app/__main__.py), also on a remote cluster's workers
+        env["TQDM_DISABLE"] = os.environ["TQDM_DISABLE"]
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
@@ -88,25 +108,45 @@ def start_ray(cfg: DictConfig) -> bool:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One training run. Returns the RESULT record; raises if the run failed."""
-    import ray
-    from ray import serve
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     from app import checkpoint
-    from app.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
-    from app.sync import WeightHub
-    from app.tracking import Tracker, default_uri
-    from app.train_worker import train_worker
-    from app.watchdog import REPORT as STALL_REPORT
-    from app.watchdog import StallError, summarize
 
     t0 = time.time()
     resume = str(checkpoint.find(cfg.train.resume)) if cfg.train.resume else None  # fails early, clearly
     inputs = resolve_inputs(cfg)
+    rec = _open_run(cfg, resume)
+    started = start_ray(cfg)
+    status = "FAILED"
+    try:
+        # the actor handles live as long as this frame: a named actor whose last handle is dropped is killed
+        cfg, hub, control, _rollouter = _start_roles(cfg, inputs)
+        trainer = _build_trainer(cfg, inputs, rec, resume)
+        result = _fit(trainer, hub, control, rec, t0)
+        out = _collect(result, rec, t0)
+        status = "FINISHED"
+        return out
+    finally:
+        rec.tracker.end(status)
+        teardown(cfg, started)
+
+
+@dataclass
+class _Run:
+    """One run's name, folder and MLflow run."""
+
+    name: str
+    dir: Path
+    uri: str
+    tracker: Any
+
+
+def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
+    """The run folder under `run_dir` (durable: app/storage.py) with its config, and its MLflow run."""
+    from app.storage import resolve_run_dir
+    from app.tracking import Tracker, default_uri
+
     name = cfg.tracking.run_name or time.strftime("relay-%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.run_dir).resolve() / name
+    root = resolve_run_dir(cfg.run_dir)
+    run_dir = root / name
     if (run_dir / "ray_train").exists() and not resume:
         # Ray Train would quietly continue the earlier run's checkpoints under this name
         raise FileExistsError(
@@ -115,7 +155,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    uri = cfg.tracking.uri or default_uri(cfg.run_dir)
+    uri = cfg.tracking.uri or default_uri(str(root))
     tracker = Tracker.start(uri, cfg.tracking.experiment, name, flatten(cfg))
     tracker.artifact(str(run_dir / "config.yaml"))
     if resume:
@@ -123,109 +163,186 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         log.info("resuming from checkpoint %s", resume)
     log.info("run %s: MLflow run %s at %s", name, tracker.run_id, uri)
     tracker.start_system_metrics()
+    return _Run(name=name, dir=run_dir, uri=uri, tracker=tracker)
 
-    started = start_ray(cfg)
-    status = "FAILED"
+
+def _plan_resources(cfg: DictConfig) -> DictConfig:
+    """Resolve `resources.*` shares and `sync.transport=auto` against the cluster; refuse a plan that would
+    wait forever or cannot work."""
+    import ray
+
+    from app.resources import auto_transport, check_placement
+    from app.resources import check as check_resources
+    from app.resources import resolve as resolve_resources
+
+    cluster = ray.cluster_resources()
+    shares = resolve_resources(cfg, cluster)  # resources.* shares -> per-role settings
+    if shares:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in shares.items()]))
+        log.info("resources.* on this cluster: %s", shares)
+    need = check_resources(cfg, cluster)  # refuse a plan that would wait forever
+    check_placement(cfg)  # refuse a placement that cannot work (a GPU vLLM build on CPU replicas)
+    if cfg.sync.transport == "auto":  # CUDA IPC where trainer and replicas share the one GPU
+        cfg = OmegaConf.merge(cfg, {"sync": {"transport": auto_transport(cfg, cluster)}})
+        log.info("sync.transport=auto: %s", cfg.sync.transport)
+    log.info("resources by role: %s", need)
+    return cfg
+
+
+def _start_roles(cfg: DictConfig, inputs: Inputs) -> tuple[DictConfig, Any, Any, Any]:
+    """The weight hub, the run control, the rollout deployment and the rollouter, ready to serve (the
+    config with the resources resolved, and the hub's, the control's and the rollouter's handles)."""
+    import ray
+    from ray import serve
+
+    from app.rollouter import Rollouter, rollouter_name
+    from app.serve_rollout import NAMESPACE, app_name, build_app
+    from app.sync.actors import start_sync_actors
+
+    cfg = _plan_resources(cfg)
+    hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
+    serve.run(
+        build_app(cfg, inputs.model_path),
+        name=app_name(cfg.ray.name),
+        route_prefix=None,
+        external_scaler_enabled=cfg.rollout.scaling == "external",
+    )
+    rollouter = (
+        ray.remote(Rollouter)
+        .options(name=rollouter_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=256)
+        .remote(to_container(cfg), inputs.model_path, inputs.train, inputs.val)
+    )
+    ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
+    return cfg, hub, control, rollouter
+
+
+def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | None) -> Any:
+    """The TorchTrainer whose workers run app/train_worker.py's loop."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from app.resources import role_env
+    from app.train_worker import train_worker
+
+    t = cfg.train
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={
+            "cfg": to_container(cfg),
+            "model_path": inputs.model_path,
+            "run_id": run.tracker.run_id,
+            "tracking_uri": run.uri,
+            "run_dir": str(run.dir),
+            "resume": resume,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=t.workers,
+            use_gpu=t.use_gpu,
+            resources_per_worker={"CPU": t.worker_cpus, **({"GPU": t.worker_gpus} if t.use_gpu else {})},
+        ),
+        torch_config=TorchConfig(
+            backend=None if t.backend == "auto" else t.backend,
+            # a push retries within train.timeout_s - 2 x sync.timeout_s (app/sync/trainer.py): it fits
+            timeout_s=int(t.timeout_s + cfg.sync.timeout_s + 60),
+        ),
+        run_config=RunConfig(
+            name=run.name,
+            storage_path=str(run.dir / "ray_train"),
+            checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=t.max_failures),
+            # a CPU trainer never touches a GPU (FSDP2 would otherwise move its parameters to cuda:0)
+            worker_runtime_env={"env_vars": role_env(t.worker_gpus if t.use_gpu else 0)},
+        ),
+    )
+
+
+def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float) -> Any:
+    """`trainer.fit()` with the clean stop on SIGINT/SIGTERM; the weight group's membership history saved
+    (who joined when, at which version, who left); a stall raises StallError with the watchdog's report."""
+    import ray
+
+    from app.watchdog import REPORT as STALL_REPORT
+    from app.watchdog import StallError, summarize
+
+    stall = run.dir / STALL_REPORT
+
+    def stalled() -> bool:
+        return stall.exists() and stall.stat().st_mtime >= t0
+
     try:
-        from app.resources import check as check_resources
-        from app.resources import resolve as resolve_resources
-
-        cluster = ray.cluster_resources()
-        shares = resolve_resources(cfg, cluster)  # resources.* shares -> per-role settings
-        if shares:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in shares.items()]))
-            log.info("resources.* on this cluster: %s", shares)
-        need = check_resources(cfg, cluster)  # refuse a plan that would wait forever
-        log.info("resources by role: %s", need)
-        hub = (
-            ray.remote(WeightHub)
-            .options(name=hub_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0)
-            .remote()
-        )
-        serve.run(
-            build_app(cfg, inputs.model_path),
-            name=app_name(cfg.ray.name),
-            route_prefix=None,
-            external_scaler_enabled=cfg.rollout.scaling == "external",
-        )
-        rollouter = (
-            ray.remote(Rollouter)
-            .options(name=rollouter_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=256)
-            .remote(to_container(cfg), inputs.model_path, inputs.train_rows, inputs.val_rows)
-        )
-        ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
-        t = cfg.train
-        trainer = TorchTrainer(
-            train_worker,
-            train_loop_config={
-                "cfg": to_container(cfg),
-                "model_path": inputs.model_path,
-                "run_id": tracker.run_id,
-                "tracking_uri": uri,
-                "run_dir": str(run_dir),
-                "resume": resume,
-            },
-            scaling_config=ScalingConfig(
-                num_workers=t.workers, use_gpu=t.use_gpu, resources_per_worker={"CPU": t.worker_cpus}
-            ),
-            torch_config=TorchConfig(
-                backend=None if t.backend == "auto" else t.backend,
-                timeout_s=int(t.timeout_s + cfg.sync.timeout_s + 60),
-            ),
-            run_config=RunConfig(
-                name=name,
-                storage_path=str(run_dir / "ray_train"),
-                checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints),
-                failure_config=FailureConfig(max_failures=t.max_failures),
-            ),
-        )
-        restore = _graceful_stop(hub)
-        stall = run_dir / STALL_REPORT
-        try:
-            result = trainer.fit()
-        except Exception as e:  # Ray Train raises when the workers failed for good
-            if stall.exists() and stall.stat().st_mtime >= t0:
-                raise StallError(summarize(json.loads(stall.read_text()))) from e
-            raise
-        finally:
-            restore()  # the weight group's membership history: who joined when, at which version, who left
-            with contextlib.suppress(Exception):
-                members = ray.get(hub.status.remote(), timeout=10)
-                (run_dir / "rollout_members.json").write_text(json.dumps(members, indent=1))
-                tracker.artifact(str(run_dir / "rollout_members.json"))
-        if result.error:
-            if stall.exists() and stall.stat().st_mtime >= t0:
-                raise StallError(summarize(json.loads(stall.read_text()))) from result.error
-            raise result.error
-        summary = run_dir / "summary.json"
-        if not summary.exists():
-            raise RuntimeError(f"training ended without writing {summary}")
-        m = json.loads(summary.read_text())
-        status = "FINISHED"
-        out = {
-            "run_id": tracker.run_id,
-            "tracking_uri": uri,
-            "steps": m.get("steps"),
-            "val_reward_first": m.get("val_reward_first"),
-            "val_reward_last": m.get("val_reward_last"),
-            "weight_version": m.get("weight_version"),
-            "stopped": m.get("stopped"),
-            "final_checkpoint": m.get("final_checkpoint"),
-            "checkpoint": str(result.checkpoint.path) if result.checkpoint else None,
-            "restored_from": m.get("restored_from"),
-            "wall_s": round(time.time() - t0, 1),
-            "loop_s": m.get("loop_s"),
-            "trained_tokens": m.get("trained_tokens"),
-        }
-        tracker.metrics({"run/wall_s": out["wall_s"]}, int(m.get("steps") or 0))
-        tracker.reward_curve(str(run_dir))
-        return out
+        result = fit_with_clean_stop(trainer.fit, control)
+    except Exception as e:  # Ray Train raises when the workers failed for good
+        if stalled():
+            raise StallError(summarize(json.loads(stall.read_text()))) from e
+        raise
     finally:
-        tracker.end(status)
-        teardown(cfg, started)
+        with contextlib.suppress(Exception):
+            members = ray.get(hub.status.remote(), timeout=10)
+            (run.dir / "rollout_members.json").write_text(json.dumps(members, indent=1))
+            run.tracker.artifact(str(run.dir / "rollout_members.json"))
+    if result.error:
+        if stalled():
+            raise StallError(summarize(json.loads(stall.read_text()))) from result.error
+        raise result.error
+    return result
 
 
-def _graceful_stop(hub: Any) -> Any:
+def _collect(result: Any, run: _Run, t0: float) -> dict[str, Any]:
+    """The RESULT record from the trainer's summary.json, with the run's wall time logged to MLflow."""
+    summary = run.dir / "summary.json"
+    if not summary.exists():
+        raise RuntimeError(f"training ended without writing {summary}")
+    m = json.loads(summary.read_text())
+    out = {
+        "run_id": run.tracker.run_id,
+        "tracking_uri": run.uri,
+        "steps": m.get("steps"),
+        "val_reward_first": m.get("val_reward_first"),
+        "val_reward_last": m.get("val_reward_last"),
+        "weight_version": m.get("weight_version"),
+        "stopped": m.get("stopped"),
+        "final_checkpoint": m.get("final_checkpoint"),
+        "checkpoint": str(result.checkpoint.path) if result.checkpoint else None,
+        "restored_from": m.get("restored_from"),
+        "wall_s": round(time.time() - t0, 1),
+        "loop_s": m.get("loop_s"),
+        "trained_tokens": m.get("trained_tokens"),
+    }
+    run.tracker.metrics({"run/wall_s": out["wall_s"]}, int(m.get("steps") or 0))
+    run.tracker.reward_curve(str(run.dir))
+    return out
+
+
+def fit_with_clean_stop(fit: Callable[[], Any], control: Any) -> Any:
+    """`fit()` in a worker thread while this (main) thread waits with the clean-stop handler installed.
+
+    Ray Train's `TorchTrainer.fit()` called from the main thread installs its own SIGINT handler (it aborts
+    the run: exit 1, no RESULT); from another thread it installs none, so Ctrl-C, SIGTERM and `ray job stop`
+    all reach `_graceful_stop`'s handler. The join has a timeout so the main thread runs signal handlers."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fit()
+        except BaseException as e:  # handed to the main thread
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name="relay-fit", daemon=True)
+    restore = _graceful_stop(control)
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(timeout=0.5)
+    finally:
+        restore()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _graceful_stop(control: Any) -> Any:
     """SIGTERM/SIGINT (Ctrl-C, `ray job stop`) during training: ask for a clean stop after the current step
     (final checkpoint, MLflow run and RESULT as usual); a second signal interrupts at once."""
     import signal
@@ -240,7 +357,7 @@ def _graceful_stop(hub: Any) -> Any:
             raise KeyboardInterrupt(f"signal {signum} again: stopping now")
         handler.fired = True  # type: ignore[attr-defined]
         log.warning("signal %d: stopping cleanly after the current step (again to stop now)", signum)
-        hub.request_stop.remote(f"signal {signal.Signals(signum).name}")
+        control.request_stop.remote(f"signal {signal.Signals(signum).name}")
 
     for sig in previous:
         signal.signal(sig, handler)
@@ -258,7 +375,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     from ray import serve
 
     from app.rollouter import rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, hub_name
+    from app.serve_rollout import NAMESPACE, app_name, control_name, hub_name
 
     if started:
         try:
@@ -271,7 +388,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
         serve.delete(app_name(cfg.ray.name))
     except Exception as e:
         log.warning("deleting the rollout app: %s", e)
-    for name in (hub_name(cfg.ray.name), rollouter_name(cfg.ray.name)):
+    for name in (hub_name(cfg.ray.name), control_name(cfg.ray.name), rollouter_name(cfg.ray.name)):
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:

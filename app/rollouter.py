@@ -25,26 +25,17 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from app.records import Batch, GenerateRequest, GenerateResponse, Group, PipelineSnapshot, Prompt, ValResult
+from app.records import Batch, Group, PipelineSnapshot, Prompt, ValResult
 from app.rollout.generator import Frozen, GenSettings, GroupGenerator
 from app.rollout.producer import AsyncProducer, ProducerSettings, reward_errors
 from app.rollout.prompt_stream import PromptStream
+from app.rollout.serve_generate import ServeGenerate
 
 log = logging.getLogger(__name__)
 
 
 def rollouter_name(prefix: str) -> str:
     return f"{prefix}-rollouter"
-
-
-class ServeGenerate:
-    """The production `GenerateFn`: one call of the Serve deployment's `generate`."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    async def __call__(self, req: GenerateRequest) -> GenerateResponse:
-        return await self.handle.generate.remote(req)
 
 
 class Rollouter:
@@ -56,18 +47,16 @@ class Rollouter:
         from transformers import AutoTokenizer
 
         from app.reward_pool import RewardPool
-        from app.rollout.dataset import prompt_dataset, to_prompt
+        from app.rollout.dataset import to_prompt, train_dataset, val_prompts
         from app.serve_rollout import DEPLOYMENT_NAME, app_name
 
         self.cfg = cfg = OmegaConf.create(cfg)
         d = cfg.data
         tok = AutoTokenizer.from_pretrained(model_path)
-        # tokenized once (in Ray Data, kept in the object store), then shuffled and streamed epoch after epoch
-        self.train_ds = prompt_dataset(train, model_path, d.max_prompt_tokens, d.truncation).materialize()
-        val_ds = prompt_dataset(val, model_path, d.max_prompt_tokens, d.truncation, limit=d.val_size)
-        self.val_prompts = [
-            p for p in map(to_prompt, val_ds.take_all()) if len(p.prompt_ids) <= d.max_prompt_tokens
-        ]
+        # streamed from the file and tokenized once in Ray Data (kept in the object store), then shuffled
+        # and streamed epoch after epoch; a bad row fails here with a DataError naming the file and row
+        self.train_ds = train_dataset(train, model_path, d.max_prompt_tokens, d.truncation)
+        self.val_prompts = val_prompts(val, model_path, d.max_prompt_tokens, d.truncation, d.val_size)
         refs = None
         if cfg.algorithm.kl_coef > 0 and cfg.ref.workers > 0:
             from app.reference import RefPool
@@ -76,7 +65,7 @@ class Rollouter:
         self.stats: Counter[str] = Counter()
         handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
         self.generator = GroupGenerator(
-            ServeGenerate(handle),
+            ServeGenerate(handle, cfg.rollout.request_timeout_s, stats=self.stats),
             lambda ids: tok.decode(ids, skip_special_tokens=True),
             RewardPool(cfg.reward, cfg.ray.name).score,
             GenSettings.from_cfg(cfg),

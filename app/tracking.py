@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 
 def default_uri(run_dir: str) -> str:
-    path = Path(run_dir).resolve() / "mlflow.db"
+    path = Path(run_dir).expanduser().resolve() / "mlflow.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
 

@@ -27,7 +27,6 @@ from app.rewards import RewardResult
 
 log = logging.getLogger(__name__)
 
-ATTEMPTS = 3  # a replica that died mid-request: Serve routes the retry elsewhere
 MAX_RESUBMITS = 100
 
 
@@ -61,7 +60,6 @@ class GenSettings:
     request_timeout_s: float = 300.0
     lengths: tuple[float, int] | None = None
     seed: int = 0
-    retry_backoff_s: float = 0.5
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> GenSettings:
@@ -192,19 +190,18 @@ class GroupGenerator:
         return sample, await self.score(prompt.data_source, sample.text, prompt.answer)
 
     async def _request(self, uid: str, req: GenerateRequest) -> GenerateResponse:
-        last: Exception | None = None
-        for attempt in range(ATTEMPTS):
-            try:
-                return await asyncio.wait_for(self.generate(req), timeout=self.s.request_timeout_s)
-            except asyncio.TimeoutError:
-                last = TimeoutError(
-                    f"generation for prompt {uid} took over rollout.request_timeout_s={self.s.request_timeout_s}s"
-                )
-            except Exception as e:
-                last = e
-                self.stats["rollout/request_retries"] += 1
-                await asyncio.sleep(self.s.retry_backoff_s * (attempt + 1))
-        raise RuntimeError(f"rollout failed for prompt {uid} after {ATTEMPTS} attempts: {last}") from last
+        """One generation within `rollout.request_timeout_s`. A replica or engine that died is retried on a
+        live one by the `GenerateFn` itself (app/rollout/serve_generate.py: within the same deadline);
+        what still fails here fails the group, whose prompt goes back to the stream."""
+        try:
+            return await asyncio.wait_for(self.generate(req), timeout=self.s.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"generation for prompt {uid} took over rollout.request_timeout_s={self.s.request_timeout_s}s"
+            ) from None
+        except Exception as e:
+            self.stats["rollout/request_failures"] += 1
+            raise RuntimeError(f"rollout failed for prompt {uid}: {e}") from e
 
     async def _complete(self, req: GenerateRequest, sample: Sample) -> Sample:
         """A sample aborted by a push goes back as prompt + partial response until it finishes; its

@@ -1,9 +1,19 @@
-"""`ray job submit` for real: a short training job on the CLI-started head, its RESULT line, its MLflow run."""
+"""`ray job submit` for real, against a head started as Ray 2.60 ships it (token authentication on): a
+training job stopped with `ray job stop` (SIGTERM: the clean stop), its RESULT line, and its MLflow run and
+checkpoints still readable after the cluster stopped.
+
+The head is this test's own (the session's shared cluster runs without authentication). Its HOME is a
+temporary folder, so the token (`~/.ray/auth_token`, which turns authentication on for `ray start --head`)
+and the job's default `run_dir` (`~/relay-runs`) land there and nowhere else.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -12,72 +22,155 @@ from pathlib import Path
 from tests.integration.conftest import REPO
 
 
-def _ray(ray_cluster, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _start_head(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """`ray start --head` with Ray's default authentication (RAY_AUTH_MODE unset); its dashboard address."""
+    from app.sync import free_port
+
+    port, dash, agent, client = free_port(), free_port(), free_port(), free_port()
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--dashboard-port={dash}",
+            f"--dashboard-agent-listen-port={agent}",  # the shared cluster holds the default ports
+            f"--ray-client-server-port={client}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=16",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return head, f"http://127.0.0.1:{dash}"
+
+
+def _stop_head(head: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
+    try:
+        head.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+
+
+def _ray(
+    env: dict[str, str], address: str, sub: str, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    """`ray job <sub> --address <address> <args>` (an entrypoint after `--` in `args` stays last)."""
     ray_bin = str(Path(sys.executable).parent / "ray")
     return subprocess.run(
-        [ray_bin, "job", *args, "--address", ray_cluster["dashboard"]],
+        [ray_bin, "job", sub, "--address", address, *args],
         cwd=REPO,
-        env=ray_cluster["env"],
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
 
 
-def test_ray_job_submit_trains_and_reports(ray_cluster, cache_dir, tmp_path):
-    from mlflow.tracking import MlflowClient
-    from ray.job_submission import JobStatus, JobSubmissionClient
+def _job_state(client_env: dict[str, str], address: str, job_id: str) -> str:
+    """SUCCEEDED, STOPPED, FAILED, or the state `ray job status` prints for a job not finished."""
+    st = _ray(client_env, address, "status", job_id)
+    out = st.stdout + st.stderr
+    for state, says in (("SUCCEEDED", "' succeeded"), ("STOPPED", "' was stopped"), ("FAILED", "' failed")):
+        if says in out:
+            return state
+    m = re.search(r"Status for job '[^']*': (?:JobStatus\.)?(\w+)", out)
+    return m[1] if m else "UNKNOWN"
 
+
+def _wait_job(client_env: dict[str, str], address: str, job_id: str, timeout: float = 600) -> str:
+    deadline = time.monotonic() + timeout
+    while (state := _job_state(client_env, address, job_id)) not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        assert time.monotonic() < deadline, f"job {job_id} not finished after {timeout} s: {state}"
+        time.sleep(3)
+    return state
+
+
+def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_cluster, cache_dir, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    home = tmp_path / "home"
+    home.mkdir()
+    head_env = {k: v for k, v in ray_cluster["env"].items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    head_env["HOME"] = str(home)
+    client_env = {**head_env, "RAY_AUTH_MODE": "token"}  # the README's step: the token from ~/.ray/auth_token
+    # the token a first local run (`make train`: ray.init() makes one by default) leaves in ~/.ray/auth_token;
+    # `ray start --head` then turns token authentication on
+    gen = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "get-auth-token", "--generate"],
+        env=head_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert gen.returncode == 0 and (home / ".ray" / "auth_token").exists(), gen.stderr
+    head, address = _start_head(head_env)
     job_id = f"relay-test-{int(time.time())}"
-    entry = [
-        sys.executable,
-        "-m",
-        "app",
-        "train",
-        "--config",
-        "quick",
-        "train.steps=2",
-        "ray.name=job",
-        f"run_dir={tmp_path}",
-        f"model.cache_dir={cache_dir}",
-        "tracking.register_model=relay-job-test",
-    ]
-    sub = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "ray"),
-            "job",
+    try:
+        deadline = time.monotonic() + 90
+        while (sub := _ray(client_env, address, "list")).returncode != 0:
+            assert head.poll() is None and time.monotonic() < deadline, (
+                f"head did not start: {sub.stderr[-2000:]}"
+            )
+            time.sleep(2)
+        unauth = _ray({**head_env, "RAY_AUTH_MODE": "disabled"}, address, "list")
+        assert unauth.returncode != 0 and "uthentication" in unauth.stdout + unauth.stderr, unauth
+        entry = [sys.executable, "-m", "app", "train", "--config", "quick", "train.steps=100", "ray.name=job"]
+        entry += [f"model.cache_dir={cache_dir}", "tracking.register_model=relay-job-test"]  # default run_dir
+        entry += ["tracking.run_name=jobrun", "algorithm.val_every=1000"]
+        # `ray job stop` sends SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s unless set in the job's
+        # runtime env): the clean stop needs the step in progress, a final checkpoint and the MLflow run
+        stop_wait = '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}'
+        sub = _ray(
+            client_env,
+            address,
             "submit",
-            "--address",
-            ray_cluster["dashboard"],
             "--submission-id",
             job_id,
+            "--runtime-env-json",
+            stop_wait,
             "--no-wait",
             "--",
             *entry,
-        ],
-        cwd=REPO,
-        env=ray_cluster["env"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert sub.returncode == 0, sub.stderr[-3000:]
-    jobs = JobSubmissionClient(ray_cluster["dashboard"])
-    deadline = time.monotonic() + 600
-    status = jobs.get_job_status(job_id)
-    while not status.is_terminal():
-        assert time.monotonic() < deadline, f"job {job_id} still {status} after 600 s"
-        time.sleep(3)
-        status = jobs.get_job_status(job_id)
-    logs = _ray(ray_cluster, "logs", job_id).stdout
-    assert status == JobStatus.SUCCEEDED, f"job ended {status}: {logs[-3000:]}"
-    assert "SUCCEEDED" in _ray(ray_cluster, "status", job_id).stdout.upper()
+        )
+        assert sub.returncode == 0, sub.stderr[-3000:]
+        trained = home / "relay-runs" / "jobrun" / "trained_groups.jsonl"
+        deadline = time.monotonic() + 600
+        while not (trained.exists() and trained.read_text().strip()):  # a step completed
+            ended = _job_state(client_env, address, job_id) in ("SUCCEEDED", "FAILED", "STOPPED")
+            assert time.monotonic() < deadline and not ended, _ray(
+                client_env, address, "logs", job_id
+            ).stdout[-3000:]
+            time.sleep(2)
+        stop = _ray(client_env, address, "stop", job_id, timeout=400)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        state = _wait_job(client_env, address, job_id)
+        logs = _ray(client_env, address, "logs", job_id).stdout
+        assert state == "STOPPED", f"job ended {state}: {logs[-3000:]}"
+    finally:
+        _stop_head(head)
     # the driver's RESULT line; progress bars forwarded from the workers may share its physical line
     lines = re.findall(r"RESULT (\{.*\})", logs)
     assert len(lines) == 1, logs[-2000:]
     res = json.loads(lines[0])
-    assert res["ok"] and res["steps"] == 2 and res["weight_version"] == 2
+    assert res["ok"] and "SIGTERM" in res["stopped"], res  # the clean stop: RESULT as usual
+    assert 1 <= res["steps"] < 100 and res["weight_version"] >= 1, res
+    # results under the default run_dir, ~/relay-runs, still there with the cluster gone
+    runs = home / "relay-runs"
+    assert res["tracking_uri"] == f"sqlite:///{runs / 'mlflow.db'}", res
+    assert Path(res["checkpoint"]).is_relative_to(runs) and Path(res["checkpoint"]).exists(), res
+    assert Path(res["final_checkpoint"], "config.json").exists(), res
     run = MlflowClient(res["tracking_uri"]).get_run(res["run_id"])
-    assert run.info.status == "FINISHED" and run.data.metrics["weight/version"] == 2
+    assert run.info.status == "FINISHED" and run.data.metrics["weight/version"] == res["steps"]
     (mv,) = MlflowClient(res["tracking_uri"]).search_model_versions("name='relay-job-test'")
     assert mv.run_id == res["run_id"]  # the final checkpoint, registered

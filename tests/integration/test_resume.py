@@ -83,7 +83,9 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
             log_a,
         )
         recovered_s = time.monotonic() - t_kill
-        proc.send_signal(signal.SIGTERM)  # a clean stop: in-flight groups frozen into the final checkpoint
+        # Ctrl-C, as a terminal sends it (to the driver's pid): a clean stop, in-flight groups frozen into the
+        # final checkpoint, RESULT printed, exit 0 (Ray Train's own SIGINT handler must not take over)
+        proc.send_signal(signal.SIGINT)
         out_a, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -92,7 +94,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
     assert proc.returncode == 0, log_a.read_text()[-4000:]
     (line,) = re.findall(r"RESULT (\{.*\})", out_a)
     res_a = json.loads(line)
-    assert res_a["ok"] and "SIGTERM" in res_a["stopped"], res_a
+    assert res_a["ok"] and "SIGINT" in res_a["stopped"], res_a
     assert res_a["restored_from"] and res_a["restored_from"]["step"] >= 2, res_a
     assert _metric(res_a, "ckpt/restored_step"), "the restart did not restore the checkpoint"
     frozen = _metric(res_a, "ckpt/partial_groups")[-1]
@@ -148,7 +150,7 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
         tmp_path,
         name,
         "train.steps=50",
-        "train.stall_timeout_s=20",
+        "train.stall_timeout_s=45",  # generous: a loaded machine's normal step must not trip it
         "train.timeout_s=300",
         "rollout.request_timeout_s=300",
     )
@@ -157,6 +159,7 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True)
     stopped: list[int] = []
     try:
+        # a step completed (version 1 is pushed after step 1): the deadline runs from it, not from the start
         wait_for("version 1", lambda: hub_status(name)["version"] >= 1, proc, log)
         handle = serve.get_deployment_handle("rollout", app_name=app_name(name))
         info = handle.info.remote().result(timeout_s=30)
@@ -166,7 +169,7 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
         report = tmp_path / name / "stall_report.json"
-        wait_for("the stall report", report.exists, proc, log, timeout=120)
+        wait_for("the stall report", report.exists, proc, log, timeout=180)
         detected_s = time.monotonic() - t_stop
         for pid in stopped:  # let the replica be shut down normally
             os.kill(pid, signal.SIGCONT)
@@ -190,5 +193,6 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
         assert rep["rollouter"]["generating"] > 0 and rep["rollouter"]["queued"] == 0, rep  # stuck requests
     assert isinstance(rep["rollouter"], dict) and rep["rollouter"]["replica_version"] >= 0, rep
     assert rep["replicas"] and rep["last_push"]["version"] >= 1, rep
-    assert detected_s < 60, detected_s  # the deadline runs from the last completed step, before the stop
-    print(f"\nwatchdog: stall detected {detected_s:.1f}s after the replica stopped (deadline 20s)")
+    # the deadline runs from the last completed step, before the stop; the report's own queries take <= 20 s
+    assert detected_s < 45 + 30, detected_s
+    print(f"\nwatchdog: stall detected {detected_s:.1f}s after the replica stopped (deadline 45s)")

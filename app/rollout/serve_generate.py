@@ -1,0 +1,83 @@
+"""The production `GenerateFn`: the Serve deployment's `generate`, retried on live replicas when a replica
+or its vLLM engine died.
+
+A replica whose engine died answers every request with EngineDeadError until its health check fails and
+Serve replaces it; a replica whose actor died fails its requests with RayActorError; while Serve has no
+replica to route to, its handle raises its own unavailability errors. Each is retried (Serve routes the
+retry to a replica it believes alive), with a growing pause, until the request's deadline
+(`rollout.request_timeout_s`): a deadline, never a count, because a loaded machine takes longer to replace a
+replica. Any other error (a bad request, a bug) is raised at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any
+
+from app.records import GenerateRequest, GenerateResponse
+
+log = logging.getLogger(__name__)
+
+# exception class names (anywhere in the error's class hierarchy or cause chain) that mean "this replica
+# or its engine is gone": vLLM's, and Serve's and Ray's that it raises from a handle call
+RETRYABLE = {
+    "EngineDeadError",
+    "RayActorError",
+    "ActorDiedError",
+    "ActorUnavailableError",
+    "ReplicaUnavailableError",
+    "DeploymentUnavailableError",
+    "BackPressureError",
+    "WorkerCrashedError",
+    "NodeDiedError",
+}
+
+
+def retryable(exc: BaseException) -> bool:
+    """The error says a replica or its engine died (retry elsewhere), not that the request is bad."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(c.__name__ in RETRYABLE for c in type(e).__mro__):
+            return True
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return False
+
+
+class ServeGenerate:
+    """One request to the Serve deployment's `generate`, retried on live replicas until `deadline_s`."""
+
+    def __init__(
+        self, handle: Any, deadline_s: float, backoff_s: float = 0.5, stats: Counter[str] | None = None
+    ) -> None:
+        self.handle, self.deadline_s, self.backoff_s = handle, deadline_s, backoff_s
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+
+    async def __call__(self, req: GenerateRequest) -> GenerateResponse:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s
+        pause, tries = self.backoff_s, 0
+        while True:
+            tries += 1
+            try:
+                return await self.handle.generate.remote(req)
+            except Exception as e:
+                if not retryable(e):
+                    raise
+                left = deadline - loop.time()
+                if left <= pause:
+                    raise RuntimeError(
+                        f"generation failed for {self.deadline_s:g}s (rollout.request_timeout_s; {tries} tries, "
+                        f"replicas dead or unavailable): {e}"
+                    ) from e
+                self.stats["rollout/replica_retries"] += 1
+                log.warning(
+                    "a replica failed a request (%s); retrying on a live one in %.1fs",
+                    type(e).__name__,
+                    pause,
+                )
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 5.0)

@@ -1,0 +1,199 @@
+"""Faults a real cluster has, at unit level: a dead vLLM engine, and recovery bounded by deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from app.sync import Ack, WeightHub
+from app.sync.replica import ReplicaSync
+from app.vllm import engine as vla
+
+
+class _Remote:
+    """An object in this process called like a Ray actor handle (`handle.method.remote(...)`)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __getattr__(self, name: str) -> Any:
+        return SimpleNamespace(remote=getattr(self.target, name))
+
+
+class _Engine:
+    """The parts of vLLM's AsyncLLM a replica's health check reads."""
+
+    def __init__(self) -> None:
+        self.errored = False
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, kwargs: Any = None) -> list:
+        await asyncio.sleep(0.01)
+        return [{}]
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise RuntimeError("EngineDeadError")
+
+
+def test_engine_adapter_reports_a_dead_engine():
+    eng = _Engine()
+    assert not vla.engine_dead(eng)
+    asyncio.run(vla.check_health(eng))
+    eng.errored = True
+    assert vla.engine_dead(eng)
+    try:
+        asyncio.run(vla.check_health(eng))
+    except RuntimeError as e:
+        assert "EngineDeadError" in str(e)
+    else:
+        raise AssertionError("a dead engine passed the health check")
+
+
+def test_dead_engine_fails_health_and_leaves_the_group_at_once():
+    """The replica's health check fails (Serve replaces it), it is dropped from the weight group, and a
+    push waiting for its acknowledgement stops waiting for it (no full sync.timeout_s)."""
+
+    async def scenario() -> None:
+        hub = WeightHub()
+        eng = _Engine()
+        sync = ReplicaSync(eng, "r1", hub=_Remote(hub), control=None, poll_s=0.1)
+        sync.started = time.time()
+        await hub.register("r2", 1)
+        await sync.start(join_timeout_s=5)
+        await sync.check_health()  # alive
+        g = await hub.open_epoch("127.0.0.1", 1, "gloo", 5.0)
+        await hub.ack("r2", "join", g.epoch, Ack(ok=True))
+        await hub.ack("r2", "push", 3, Ack(ok=True))
+        waiter = asyncio.create_task(hub.wait_acks("push", 3, 30.0))
+        await asyncio.sleep(0.2)
+        eng.errored = True  # the EngineCore process was killed
+        t0 = time.monotonic()
+        acks = await waiter
+        assert time.monotonic() - t0 < 5, "the push kept waiting for a replica whose engine died"
+        assert "r1" in acks.missing and not acks.complete
+        assert hub.members["r1"].dropped == "its vLLM engine died" and hub.alive_ids() == ["r2"]
+        try:
+            await sync.check_health()
+        except RuntimeError as e:
+            assert "engine died" in str(e)
+        else:
+            raise AssertionError("a replica with a dead engine passed its health check")
+        await asyncio.sleep(0.3)
+        assert "r1" not in hub.members or not hub.members["r1"].alive  # it does not register again
+        await sync.stop()
+
+    asyncio.run(scenario())
+
+
+def test_push_budget_fits_the_trainer_collective_timeout():
+    """A push retries for a time, not a count; one more attempt after the budget still ends before the
+    other trainer ranks' collective timeout (train.timeout_s + sync.timeout_s + 60)."""
+    from app.sync.trainer import TrainerSync
+
+    for train_t, sync_t in [(300.0, 60.0), (300.0, 20.0), (60.0, 60.0)]:
+        ts = TrainerSync.__new__(TrainerSync)
+        ts.cfg = SimpleNamespace(
+            train=SimpleNamespace(timeout_s=train_t), sync=SimpleNamespace(timeout_s=sync_t)
+        )
+        budget = ts._budget_s()
+        assert budget >= sync_t
+        assert budget + 2 * sync_t <= train_t + sync_t + 60
+
+
+def test_run_dir_outlives_a_ray_job(tmp_path, monkeypatch):
+    """The default run_dir is absolute under the home directory; one inside Ray's temporary copy of a job's
+    working directory is refused with the fix."""
+    import pytest
+
+    from app.config import load_config
+    from app.storage import RunDirError, resolve_run_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_run_dir(load_config(None, []).run_dir) == tmp_path / "relay-runs"
+    copy = tmp_path / "ray/session_x/runtime_resources/working_dir_files/_ray_pkg_abc"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    with pytest.raises(RunDirError, match="Ray deletes with the job.*run_dir=~/relay-runs"):
+        resolve_run_dir("runs")
+    assert resolve_run_dir(str(tmp_path / "keep")) == tmp_path / "keep"
+    with pytest.raises(RunDirError, match="URI is not supported"):
+        resolve_run_dir("s3://bucket/runs")
+
+
+def test_sigint_and_sigterm_give_the_clean_stop_while_fit_runs():
+    """`trainer.fit()` runs in a worker thread (Ray Train installs no SIGINT handler of its own there) while
+    the main thread handles the signal: the run control is asked for a clean stop and fit's result returns."""
+    import os
+    import signal
+    import threading
+
+    from app.driver import fit_with_clean_stop
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asked: list[str] = []
+        stopped = threading.Event()
+
+        def request_stop(reason: str, asked: list[str] = asked, stopped: threading.Event = stopped) -> None:
+            asked.append(reason)
+            stopped.set()
+
+        control = SimpleNamespace(request_stop=SimpleNamespace(remote=request_stop))
+
+        def fit(sig: int = sig, stopped: threading.Event = stopped) -> str:
+            assert threading.current_thread() is not threading.main_thread()
+            os.kill(os.getpid(), sig)  # as a terminal (Ctrl-C) or `ray job stop` (SIGTERM) would
+            assert stopped.wait(10), "the signal did not reach the clean-stop handler"
+            return "finished after the current step"
+
+        before = signal.getsignal(sig)
+        assert fit_with_clean_stop(fit, control) == "finished after the current step"
+        assert asked == [f"signal {signal.Signals(sig).name}"]
+        assert signal.getsignal(sig) is before  # the handler is restored after the run
+
+
+class EngineDeadError(RuntimeError):
+    """Stands for vLLM's (a replica's requests raise it once its EngineCore process died)."""
+
+
+def test_serve_generate_retries_dead_replicas_until_its_deadline():
+    from app.rollout.serve_generate import ServeGenerate, retryable
+
+    class Handle:
+        def __init__(self, failures: list[BaseException]) -> None:
+            self.failures, self.calls = failures, 0
+            self.generate = SimpleNamespace(remote=self._generate)
+
+        async def _generate(self, req: Any) -> str:
+            self.calls += 1
+            if self.failures:
+                raise self.failures.pop(0)
+            return "served by a live replica"
+
+    from ray.exceptions import ActorDiedError, RayTaskError
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    wrapped = RayTaskError("generate", "traceback", EngineDeadError("engine died"))
+    assert retryable(EngineDeadError()) and retryable(wrapped) and retryable(ActorDiedError())
+    assert retryable(DeploymentUnavailableError("rollout")) and not retryable(ValueError("bad request"))
+    # the dead replica's requests go elsewhere: served once a live replica answers
+    h = Handle([EngineDeadError(), ActorDiedError(), wrapped])
+    gen = ServeGenerate(h, deadline_s=30, backoff_s=0.01)
+    assert asyncio.run(gen(None)) == "served by a live replica" and h.calls == 4
+    assert gen.stats["rollout/replica_retries"] == 3
+    # a request that is itself bad is not retried
+    h = Handle([ValueError("prompt too long")])
+    try:
+        asyncio.run(ServeGenerate(h, deadline_s=30, backoff_s=0.01)(None))
+    except ValueError:
+        assert h.calls == 1
+    # bounded by the deadline, not by a count of tries
+    h = Handle([EngineDeadError() for _ in range(10_000)])
+    t0 = time.monotonic()
+    try:
+        asyncio.run(ServeGenerate(h, deadline_s=1.0, backoff_s=0.05)(None))
+    except RuntimeError as e:
+        assert "failed for 1s" in str(e) and 0.5 < time.monotonic() - t0 < 3, e
+    else:
+        raise AssertionError("retried past its deadline")
