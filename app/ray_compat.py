@@ -19,8 +19,24 @@ from __future__ import annotations
 from typing import Any
 
 
+class _NoBar:
+    """What `progress_bar` gives where no bar is drawn: the same methods, doing nothing."""
+
+    def update(self, n: float = 1) -> None: ...
+
+    def set_description(self, desc: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def progress_bar(total: int, desc: str) -> Any:
-    """A tqdm-like bar (`update(n)`, `close()`) that Ray draws on the driver from inside a worker."""
+    """A tqdm-like bar (`update(n)`, `set_description`, `close()`) that Ray draws on the driver from inside a
+    worker; none where $TQDM_DISABLE is set (the driver sets it when stderr is no terminal, and passes it to
+    the workers): Ray's relayed bar ignores that variable and would be redrawn into every log line."""
+    import os
+
+    if os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false"):
+        return _NoBar()
     from ray.experimental.tqdm_ray import tqdm
 
     return tqdm(total=total, desc=desc)

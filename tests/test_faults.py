@@ -197,3 +197,15 @@ def test_serve_generate_retries_dead_replicas_until_its_deadline():
         assert "failed for 1s" in str(e) and 0.5 < time.monotonic() - t0 < 3, e
     else:
         raise AssertionError("retried past its deadline")
+
+
+def test_no_progress_bar_when_tqdm_is_disabled(monkeypatch):
+    """Where stderr is no terminal the driver sets TQDM_DISABLE: the trainer's bar must not reach the logs."""
+    from app import ray_compat
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    bar = ray_compat.progress_bar(total=3, desc="x")
+    bar.update(1)
+    bar.set_description("y")
+    bar.close()
+    assert type(bar).__name__ == "_NoBar"
