@@ -233,6 +233,37 @@ def test_hub_join_push_ack_cycle():
     asyncio.run(scenario())
 
 
+def test_retry_of_a_version_ignores_answers_to_the_failed_try():
+    """A replica whose engine died answers push v with a failure and is dropped; the retry of v in a new epoch
+    without it must be judged on the new epoch's answers alone (a stale failure failed every retry)."""
+
+    async def scenario():
+        hub = WeightHub()
+        for rid in ("r1", "r2"):
+            await hub.register(rid)
+        g = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0)
+        for rid in ("r1", "r2"):
+            await hub.ack(rid, "join", g.epoch, OK)
+        await hub.announce(_plan(13))
+        await hub.ack("r1", "push", 13, Ack(ok=True, checksums=["x"]))
+        await hub.ack("r2", "push", 13, Ack(ok=False, error="EngineDeadError"))
+        await hub.drop(["r2"], "its vLLM engine died")
+        g2 = await hub.open_epoch("127.0.0.1", 1235, "gloo", 5.0)
+        assert list(g2.ranks) == ["r1"]
+        await hub.ack("r1", "join", g2.epoch, OK)
+        await hub.announce(_plan(13))  # the retry
+        ins = await hub.next_instruction("r1", g2.epoch, 13, 0.1)
+        assert (
+            isinstance(ins, Push) and ins.plan.version == 13
+        )  # every member of the new epoch receives again
+        await hub.ack("r1", "push", 13, Ack(ok=True, checksums=["x"]))
+        acks = await hub.wait_acks("push", 13, 1.0)
+        assert acks.complete and list(acks.got) == ["r1"] and not acks.failed
+        check_acks(acks, ["x"], 1.0)
+
+    asyncio.run(scenario())
+
+
 def test_check_acks_names_missing_and_failed_replicas():
     acks = Acks(
         kind="push",

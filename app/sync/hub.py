@@ -174,6 +174,9 @@ class WeightHub:
             )
         if plan.version <= self.version:  # (the same version again: a retry, or a restore at this version)
             self.version = plan.version - 1
+        # a retry of this version starts clean: an answer to an earlier try (a failure from a replica whose
+        # engine died since, say) must not fail this one
+        self.acks.pop(("push", plan.version), None)
         self.plan = plan
         self.last_push = {
             "version": plan.version,
@@ -195,7 +198,8 @@ class WeightHub:
             if not waiting or left <= 0:
                 break
             await self._wait_change(min(left, 1.0))
-        acks = Acks(kind=kind, key=key, got=dict(self.acks.get((kind, key), {})), missing=missing)
+        got = {rid: a for rid, a in self.acks.get((kind, key), {}).items() if rid in expected}
+        acks = Acks(kind=kind, key=key, got=got, missing=missing)
         if kind == "push" and acks.complete:
             self.version = max(self.version, key)
         return acks
