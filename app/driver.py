@@ -120,7 +120,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         # the actor handles live as long as this frame: a named actor whose last handle is dropped is killed
         cfg, hub, control, _rollouter = _start_roles(cfg, inputs)
         trainer = _build_trainer(cfg, inputs, rec, resume)
-        result = _fit(trainer, hub, control, rec, t0)
+        result = _fit(trainer, hub, control, rec, t0, RolloutStartWatch(_app_name(cfg)))
         out = _collect(result, rec, t0)
         status = "FINISHED"
         return out
@@ -190,21 +190,24 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
 
 
 def _start_roles(cfg: DictConfig, inputs: Inputs) -> tuple[DictConfig, Any, Any, Any]:
-    """The weight hub, the run control, the rollout deployment and the rollouter, ready to serve (the
-    config with the resources resolved, and the hub's, the control's and the rollouter's handles)."""
-    import ray
-    from ray import serve
+    """The weight hub, the run control, the rollout deployment (starting) and the rollouter (ready): the
+    config with the resources resolved, and the hub's, the control's and the rollouter's handles.
 
+    The replicas start while the rollouter reads the data and the trainer starts: the trainer's first push
+    waits for the first replica (app/sync/trainer.py), and `RolloutStartWatch` ends the run at once where
+    the deployment fails to start."""
+    import ray
+
+    from app import ray_compat
     from app.rollouter import Rollouter, rollouter_name
     from app.serve_rollout import NAMESPACE, app_name, build_app
     from app.sync.actors import start_sync_actors
 
     cfg = _plan_resources(cfg)
     hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
-    serve.run(
+    ray_compat.deploy_app(
         build_app(cfg, inputs.model_path),
-        name=app_name(cfg.ray.name),
-        route_prefix=None,
+        app_name(cfg.ray.name),
         external_scaler_enabled=cfg.rollout.scaling == "external",
     )
     rollouter = (
@@ -214,6 +217,35 @@ def _start_roles(cfg: DictConfig, inputs: Inputs) -> tuple[DictConfig, Any, Any,
     )
     ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
     return cfg, hub, control, rollouter
+
+
+class RolloutStartWatch:
+    """Polled while training runs, until the rollout application first runs: a deployment that fails to
+    start (a replica's constructor raising: a bad model folder, too little memory) raises Serve's message
+    instead of leaving the trainer to wait out `rollout.join_timeout_s` for a replica."""
+
+    def __init__(self, app: str, every_s: float = 2.0) -> None:
+        self.app, self.every_s = app, every_s
+        self.running = False
+        self.next_check = 0.0
+
+    def __call__(self) -> None:
+        if self.running or time.monotonic() < self.next_check:
+            return
+        from ray import serve
+
+        self.next_check = time.monotonic() + self.every_s
+        st = serve.status().applications.get(self.app)
+        if st is None:
+            return
+        if st.status == "RUNNING":
+            self.running = True
+            log.info("rollout application %s running", self.app)
+        elif st.status == "DEPLOY_FAILED":
+            raise RuntimeError(
+                f"the rollout deployment {self.app!r} failed to start: {st.message} (see the Serve view of "
+                "the dashboard, and the replica's log)"
+            )
 
 
 def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | None) -> Any:
@@ -256,7 +288,13 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
     )
 
 
-def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float) -> Any:
+def _app_name(cfg: DictConfig) -> str:
+    from app.serve_rollout import app_name
+
+    return app_name(cfg.ray.name)
+
+
+def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float, watch: Callable[[], None]) -> Any:
     """`trainer.fit()` with the clean stop on SIGINT/SIGTERM; the weight group's membership history saved
     (who joined when, at which version, who left); a stall raises StallError with the watchdog's report."""
     import ray
@@ -270,7 +308,7 @@ def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float) -> Any:
         return stall.exists() and stall.stat().st_mtime >= t0
 
     try:
-        result = fit_with_clean_stop(trainer.fit, control)
+        result = fit_with_clean_stop(trainer.fit, control, watch)
     except Exception as e:  # Ray Train raises when the workers failed for good
         if stalled():
             raise StallError(summarize(json.loads(stall.read_text()))) from e
@@ -313,8 +351,9 @@ def _collect(result: Any, run: _Run, t0: float) -> dict[str, Any]:
     return out
 
 
-def fit_with_clean_stop(fit: Callable[[], Any], control: Any) -> Any:
-    """`fit()` in a worker thread while this (main) thread waits with the clean-stop handler installed.
+def fit_with_clean_stop(fit: Callable[[], Any], control: Any, watch: Callable[[], None] | None = None) -> Any:
+    """`fit()` in a worker thread while this (main) thread waits with the clean-stop handler installed, and
+    calls `watch()` (which raises to end the run) every half second.
 
     Ray Train's `TorchTrainer.fit()` called from the main thread installs its own SIGINT handler (it aborts
     the run: exit 1, no RESULT); from another thread it installs none, so Ctrl-C, SIGTERM and `ray job stop`
@@ -335,6 +374,8 @@ def fit_with_clean_stop(fit: Callable[[], Any], control: Any) -> Any:
         worker.start()
         while worker.is_alive():
             worker.join(timeout=0.5)
+            if watch is not None:
+                watch()
     finally:
         restore()
     if "error" in box:
@@ -374,6 +415,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     import ray
     from ray import serve
 
+    from app import ray_compat
     from app.rollouter import rollouter_name
     from app.serve_rollout import NAMESPACE, app_name, control_name, hub_name
 
@@ -385,7 +427,10 @@ def teardown(cfg: DictConfig, started: bool) -> None:
         ray.shutdown()
         return
     try:
-        serve.delete(app_name(cfg.ray.name))
+        if cfg.rollout.replica_gpus > 0:  # the next run on these GPUs needs their memory back
+            serve.delete(app_name(cfg.ray.name))
+        else:  # the controller stops the CPU replicas (an engine's shutdown takes seconds): no need to wait
+            ray_compat.delete_app(app_name(cfg.ray.name))
     except Exception as e:
         log.warning("deleting the rollout app: %s", e)
     for name in (hub_name(cfg.ray.name), control_name(cfg.ray.name), rollouter_name(cfg.ray.name)):

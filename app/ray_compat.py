@@ -8,6 +8,10 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
                               what `ray up` checks in a cluster YAML
     replica_id                ray.serve.get_replica_context().replica_id.unique_id (beta API; the
                               `ReplicaID.unique_id` attribute is not documented)
+    deploy_app                ray.serve.run_many (developer API): start deploying an application without
+                              waiting for its replicas (serve.run has no public way not to wait)
+    delete_app                ray.serve.delete(_blocking=False) (private argument): ask Serve to delete an
+                              application without waiting for its replicas' graceful shutdown
 
 Nothing else in app/ may import `ray._private`, `ray.experimental`, `ray.llm._internal`, `ray.serve._private`
 or any other `_internal`/`_private` Ray module. Ray is imported inside each function: importing this module
@@ -57,3 +61,22 @@ def replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+def deploy_app(app: Any, name: str, external_scaler_enabled: bool = False) -> None:
+    """Start deploying the Serve application `app` as `name` (no HTTP route) and return once its deployment
+    exists, without waiting for its replicas to start; `serve.status()` then tells how the start goes."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    target = RunTarget(
+        target=app, name=name, route_prefix=None, external_scaler_enabled=external_scaler_enabled
+    )
+    serve.run_many([target], wait_for_applications_running=False)
+
+
+def delete_app(name: str) -> None:
+    """Ask Serve's controller to delete application `name` (it stops the replicas) without waiting for them."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)

@@ -7,6 +7,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from app.sync import Ack, WeightHub
 from app.sync.replica import ReplicaSync
 from app.vllm import engine as vla
@@ -105,8 +107,6 @@ def test_push_budget_fits_the_trainer_collective_timeout():
 def test_run_dir_outlives_a_ray_job(tmp_path, monkeypatch):
     """The default run_dir is absolute under the home directory; one inside Ray's temporary copy of a job's
     working directory is refused with the fix."""
-    import pytest
-
     from app.config import load_config
     from app.storage import RunDirError, resolve_run_dir
 
@@ -151,6 +151,62 @@ def test_sigint_and_sigterm_give_the_clean_stop_while_fit_runs():
         assert fit_with_clean_stop(fit, control) == "finished after the current step"
         assert asked == [f"signal {signal.Signals(sig).name}"]
         assert signal.getsignal(sig) is before  # the handler is restored after the run
+
+
+def test_a_failed_rollout_deployment_ends_the_run_while_fit_waits():
+    """The replicas start beside the trainer: while `fit()` waits (for a replica that will never come), the
+    main thread's watch raises Serve's failure, which ends the wait at once, signal handlers restored."""
+    import signal
+    import threading
+    import time
+
+    from app.driver import fit_with_clean_stop
+
+    never = threading.Event()
+    calls: list[float] = []
+
+    def fit() -> str:
+        never.wait(60)  # the trainer's wait for the first replica
+        return "trained"
+
+    def watch() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            raise RuntimeError("the rollout deployment 'x-rollout' failed to start: no model")
+
+    control = SimpleNamespace(request_stop=SimpleNamespace(remote=lambda reason: None))
+    before = signal.getsignal(signal.SIGINT)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="failed to start: no model"):
+        fit_with_clean_stop(fit, control, watch)
+    assert time.monotonic() - t0 < 10  # not the 60 s of the wait
+    assert signal.getsignal(signal.SIGINT) is before
+    never.set()
+
+
+def test_rollout_start_watch_reports_a_failed_deployment(monkeypatch):
+    """Serve's application status, as `serve.status()` gives it: DEPLOYING is waited on, DEPLOY_FAILED raises
+    with Serve's message, RUNNING ends the watch (later replica failures are the weight hub's)."""
+    from ray import serve
+
+    from app.driver import RolloutStartWatch
+
+    states = iter(["DEPLOYING", "DEPLOY_FAILED"])
+
+    def status() -> SimpleNamespace:
+        app = SimpleNamespace(status=next(states), message="replica constructor raised: bad model")
+        return SimpleNamespace(applications={"r-rollout": app})
+
+    monkeypatch.setattr(serve, "status", status)
+    watch = RolloutStartWatch("r-rollout", every_s=0.0)
+    watch()  # deploying: nothing to say
+    with pytest.raises(RuntimeError, match="'r-rollout' failed to start: replica constructor raised"):
+        watch()
+    states = iter(["RUNNING"])
+    ok = RolloutStartWatch("r-rollout", every_s=0.0)
+    ok()
+    ok()  # running once: no more queries (the iterator would be exhausted)
+    assert ok.running
 
 
 class EngineDeadError(RuntimeError):

@@ -62,6 +62,24 @@ class TrainerSync:
                 )
             time.sleep(1.0)
 
+    def wait_for_rollout(self, timeout_s: float) -> float:
+        """Before the first push: wait until a replica has registered (the rollout deployment starts beside
+        the trainer, app/driver.py), at most `timeout_s` (`rollout.join_timeout_s`). Collective: every rank
+        polls with rank 0 each second, so no rank sits in one long collective. Returns the seconds waited."""
+        import ray
+
+        t0 = time.monotonic()
+        while not _bcast(self.rank == 0 and bool(ray.get(self.hub.alive_count.remote(), timeout=30))):
+            waited = time.monotonic() - t0
+            if _bcast(waited > timeout_s):
+                raise SyncError(
+                    f"no rollout replica registered with the weight hub within rollout.join_timeout_s="
+                    f"{timeout_s:.0f}s; the Serve deployment has no running replica (see the Serve view of the "
+                    "dashboard and the replica's log; a large model may need a longer rollout.join_timeout_s)"
+                )
+            time.sleep(1.0)
+        return time.monotonic() - t0
+
     def _budget_s(self) -> float:
         """How long one push may keep retrying (forming the group, re-forming it after a failure).
 

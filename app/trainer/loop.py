@@ -55,7 +55,12 @@ def run(t: Trainer, st: RunState) -> None:
 
 def begin(t: Trainer, st: RunState) -> None:
     """Push the trainer's weights (the replicas then hold exactly them, verified by checksum), validate them
-    unless restored with a validation, start the mode's stream and the watchdog."""
+    unless restored with a validation, start the mode's stream and the watchdog. The rollout replicas start
+    beside the trainer: the first push waits for one."""
+    t.monitor.phase("waiting for the first rollout replica to register")
+    waited = t.sync.wait_for_rollout(t.cfg.rollout.join_timeout_s)
+    if waited > 1:
+        log.info("the first rollout replica registered after %.1fs", waited)
     t.sync.push(st.version)
     st.pushed = st.version
     if t.lead:

@@ -49,7 +49,7 @@ def _replicas() -> list:
 
 def test_dead_engine_loses_nothing(ray_cluster, cache_dir, tmp_path):
 
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 400)
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 200)
     cmd = train_cmd(
         ray_cluster,
         cache_dir,
@@ -64,7 +64,7 @@ def test_dead_engine_loses_nothing(ray_cluster, cache_dir, tmp_path):
         "rollout.max_model_len=128",
         "rollout.max_inflight=8",
         "sync.timeout_s=20",
-        "train.steps=1000",  # the data (400 prompts, one epoch) ends the run first
+        "train.steps=1000",  # the data (200 prompts, one epoch) ends the run first
         f"data.train={tmp_path / 'train.jsonl'}",
         "data.epochs=1",
         "data.val_size=8",

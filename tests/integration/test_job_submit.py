@@ -1,6 +1,7 @@
 """`ray job submit` for real, against a head started as Ray 2.60 ships it (token authentication on): a
-training job stopped with `ray job stop` (SIGTERM: the clean stop), its RESULT line, and its MLflow run and
-checkpoints still readable after the cluster stopped.
+training job (the synchronous mode) stopped with `ray job stop` (SIGTERM: the clean stop), its RESULT line,
+and its MLflow run (metrics, artifacts, a registered model) and checkpoints still readable after the cluster
+stopped.
 
 The head is this test's own (the session's shared cluster runs without authentication). Its HOME is a
 temporary folder, so the token (`~/.ray/auth_token`, which turns authentication on for `ray start --head`)
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from tests.integration.conftest import REPO
+from tests.integration.test_loop import check_tracked_run
 
 
 def _start_head(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -127,7 +129,7 @@ def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_clus
         assert unauth.returncode != 0 and "uthentication" in unauth.stdout + unauth.stderr, unauth
         entry = [sys.executable, "-m", "app", "train", "--config", "quick", "train.steps=100", "ray.name=job"]
         entry += [f"model.cache_dir={cache_dir}", "tracking.register_model=relay-job-test"]  # default run_dir
-        entry += ["tracking.run_name=jobrun", "algorithm.val_every=1000"]
+        entry += ["tracking.run_name=jobrun", "algorithm.val_every=2"]
         # `ray job stop` sends SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s unless set in the job's
         # runtime env): the clean stop needs the step in progress, a final checkpoint and the MLflow run
         stop_wait = '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}'
@@ -146,7 +148,8 @@ def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_clus
         assert sub.returncode == 0, sub.stderr[-3000:]
         trained = home / "relay-runs" / "jobrun" / "trained_groups.jsonl"
         deadline = time.monotonic() + 600
-        while not (trained.exists() and trained.read_text().strip()):  # a step completed
+        # three steps trained (8 groups each): the weights moved; then the stop
+        while not (trained.exists() and len(trained.read_text().splitlines()) >= 24):
             ended = _job_state(client_env, address, job_id) in ("SUCCEEDED", "FAILED", "STOPPED")
             assert time.monotonic() < deadline and not ended, _ray(
                 client_env, address, "logs", job_id
@@ -164,13 +167,18 @@ def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_clus
     assert len(lines) == 1, logs[-2000:]
     res = json.loads(lines[0])
     assert res["ok"] and "SIGTERM" in res["stopped"], res  # the clean stop: RESULT as usual
-    assert 1 <= res["steps"] < 100 and res["weight_version"] >= 1, res
+    assert 3 <= res["steps"] < 100 and res["weight_version"] >= 3, res
     # results under the default run_dir, ~/relay-runs, still there with the cluster gone
     runs = home / "relay-runs"
     assert res["tracking_uri"] == f"sqlite:///{runs / 'mlflow.db'}", res
     assert Path(res["checkpoint"]).is_relative_to(runs) and Path(res["checkpoint"]).exists(), res
     assert Path(res["final_checkpoint"], "config.json").exists(), res
-    run = MlflowClient(res["tracking_uri"]).get_run(res["run_id"])
+    client = MlflowClient(res["tracking_uri"])
+    run = client.get_run(res["run_id"])
     assert run.info.status == "FINISHED" and run.data.metrics["weight/version"] == res["steps"]
-    (mv,) = MlflowClient(res["tracking_uri"]).search_model_versions("name='relay-job-test'")
+    (mv,) = client.search_model_versions("name='relay-job-test'")
     assert mv.run_id == res["run_id"]  # the final checkpoint, registered
+    # the synchronous mode's run, as every mode's: metrics, artifacts, changed weights; on-policy, no KL
+    check_tracked_run(res, next(Path(cache_dir).glob("builtin-v*/model")), "sync")
+    assert max(m.value for m in client.get_metric_history(res["run_id"], "staleness/max")) == 0
+    assert max(m.value for m in client.get_metric_history(res["run_id"], "loss/kl")) == 0

@@ -6,8 +6,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.integration.conftest import REPO, train_cmd
 
 
@@ -56,15 +54,6 @@ def test_trainer_and_vllm_logprobs_match_after_step_and_push(rollout_stack, tmp_
     assert all(v == 0 for vs in r["token_versions"] for v in vs)  # sampled by the pushed v0
 
 
-def _run_cli(mode: str, ray_cluster, cache_dir: Path, tmp_path: Path, *extra: str) -> tuple[dict, str]:
-    cmd = train_cmd(ray_cluster, cache_dir, tmp_path, f"e2e-{mode}", f"algorithm.mode={mode}", *extra)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(lines) == 1, proc.stdout[-2000:]
-    return json.loads(lines[0][len("RESULT ") :]), proc.stderr
-
-
 REQUIRED = [
     "reward/mean",
     "reward/std",
@@ -86,16 +75,60 @@ REQUIRED = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
-def test_cli_run_end_to_end(mode, ray_cluster, cache_dir, tmp_path):
+def check_tracked_run(res: dict, initial_model: Path, mode: str) -> None:
+    """What every finished run leaves in MLflow and on disk: the mode's params, the per-step metrics, the
+    artifacts, and a final checkpoint (an HF folder) whose weights differ from the initial model's.
+    (The sync mode's run is checked by tests/integration/test_job_submit.py.)"""
     import torch
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
-    # one_step_off also runs the pipeline's side roles: rewards on a CPU reward worker, and reference
-    # log-probs for the KL penalty on a reference worker instead of in the trainer
-    extra = ["reward.workers=1", "algorithm.kl_coef=0.05", "ref.workers=1"] if mode == "one_step_off" else []
-    res, _ = _run_cli(mode, ray_cluster, cache_dir, tmp_path, *extra)
+    client = MlflowClient(res["tracking_uri"])
+    run = client.get_run(res["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["algorithm.mode"] == mode
+    for key in REQUIRED:
+        assert client.get_metric_history(res["run_id"], key), f"metric {key} missing"
+    artifacts = {a.path for a in client.list_artifacts(res["run_id"])}
+    assert {"config.yaml", "final_checkpoint", "samples", "reward_curve.png"} <= artifacts
+    assert client.get_metric_history(res["run_id"], "system/cpu_utilization_percentage")
+    final = Path(res["final_checkpoint"])
+    assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
+    w0, w1 = load_file(initial_model / "model.safetensors"), load_file(final / "model.safetensors")
+    assert set(w0) == set(w1)
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)  # the weights changed
+
+
+def test_one_step_off_code_task_end_to_end(ray_cluster, cache_dir, tmp_path):
+    """one_step_off with every side role, on builtin:code with the tiny ASCII model: programs run against
+    each problem's tests in the sandbox, on a CPU reward worker, as each trajectory finishes; reference
+    log-probs for the KL penalty come from a reference worker, not the trainer. Reward, sub-scores (tests
+    passed, failure kinds), staleness (exactly one version after the first batch) reach MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    cmd = train_cmd(
+        ray_cluster,
+        cache_dir,
+        tmp_path,
+        "e2e-one-step-off",
+        "algorithm.mode=one_step_off",
+        "model.path=builtin:tiny-code",
+        "data.train=builtin:code",
+        "data.val=builtin:code",
+        "data.max_prompt_tokens=400",
+        "data.val_size=4",
+        "rollout.max_tokens=64",
+        "rollout.max_model_len=512",
+        "train.batch_groups=4",
+        "reward.workers=1",
+        "ref.workers=1",
+        "algorithm.kl_coef=0.05",
+    )
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-2000:]  # RESULT on its own line, once
+    res = json.loads(lines[0][len("RESULT ") :])
     assert res["ok"] is True
     assert set(res) >= {
         "run_id",
@@ -108,65 +141,18 @@ def test_cli_run_end_to_end(mode, ray_cluster, cache_dir, tmp_path):
     }
     assert res["steps"] == 4 and res["weight_version"] == 4
     assert 0 <= res["val_reward_first"] <= 1 and 0 <= res["val_reward_last"] <= 1
+    check_tracked_run(res, next(Path(cache_dir).glob("builtin-code-*/model")), "one_step_off")
+
     client = MlflowClient(res["tracking_uri"])
-    run = client.get_run(res["run_id"])
-    assert run.info.status == "FINISHED"
-    assert run.data.params["algorithm.mode"] == mode
-    for key in REQUIRED:
-        assert client.get_metric_history(res["run_id"], key), f"metric {key} missing"
+    # the first batch is on-policy, every later one exactly one version old
     stale = [m.value for m in client.get_metric_history(res["run_id"], "staleness/max")]
-    if mode == "sync":
-        assert max(stale) == 0
-    else:  # the first batch is on-policy, every later one exactly one version old
-        assert sorted(stale) == [0, 1, 1, 1]
-        mean = [m.value for m in client.get_metric_history(res["run_id"], "staleness/mean")]
-        assert sorted(mean) == [0, 1, 1, 1]
+    assert sorted(stale) == [0, 1, 1, 1]
+    mean = [m.value for m in client.get_metric_history(res["run_id"], "staleness/mean")]
+    assert sorted(mean) == [0, 1, 1, 1]
     kl = [m.value for m in client.get_metric_history(res["run_id"], "loss/kl")]
-    if mode == "one_step_off":  # reference log-probs came from the reference worker: the policy moved away
-        assert max(kl) > 0 and run.data.params["ref.workers"] == "1"
-    else:
-        assert max(kl) == 0
-    artifacts = {a.path for a in client.list_artifacts(res["run_id"])}
-    assert {"config.yaml", "final_checkpoint", "samples", "reward_curve.png"} <= artifacts
-    assert client.get_metric_history(res["run_id"], "system/cpu_utilization_percentage")
-    final = Path(res["final_checkpoint"])
-    assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
-    initial = next(Path(cache_dir).glob("builtin-*/model"))
-    w0, w1 = load_file(initial / "model.safetensors"), load_file(final / "model.safetensors")
-    assert set(w0) == set(w1)
-    assert any(not torch.equal(w0[k], w1[k]) for k in w0)  # the weights changed
-
-
-def test_code_task_end_to_end_with_sandbox_rewards(ray_cluster, cache_dir, tmp_path):
-    """builtin:code on the tiny ASCII model: programs run against each problem's tests in the sandbox, on a
-    reward worker, as each trajectory finishes; reward, sub-scores (tests passed, failure kinds) and the
-    error counters reach MLflow."""
-    from mlflow.tracking import MlflowClient
-
-    cmd = train_cmd(
-        ray_cluster,
-        cache_dir,
-        tmp_path,
-        "e2e-code",
-        "model.path=builtin:tiny-code",
-        "data.train=builtin:code",
-        "data.val=builtin:code",
-        "data.max_prompt_tokens=400",
-        "data.val_size=4",
-        "rollout.max_tokens=64",
-        "rollout.max_model_len=512",
-        "reward.workers=1",
-        "train.steps=2",
-        "train.batch_groups=4",
-        "algorithm.val_every=1000",
-    )
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT ") :])
-    assert res["ok"] and res["steps"] == 2
-    client = MlflowClient(res["tracking_uri"])
-    keys = set(client.get_run(res["run_id"]).data.metrics)
+    run = client.get_run(res["run_id"])
+    assert max(kl) > 0 and run.data.params["ref.workers"] == "1"  # reference log-probs: the policy moved away
+    keys = set(run.data.metrics)
     assert {"reward/mean", "reward/sub/passed", "reward/sub/total"} <= keys, keys
     assert client.get_metric_history(res["run_id"], "reward/sub/total")[-1].value == 3  # three hidden tests
     kinds = {"reward/sub/error", "reward/sub/wrong_answer", "reward/sub/timeout", "reward/sub/output_limit"}

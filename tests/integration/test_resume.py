@@ -34,7 +34,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
     from ray.util.state import list_actors
 
     # steps take about 1 s on an idle machine: enough data that the kill and the stop land before it ends
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 480)
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 320)
     common = [
         "algorithm.mode=fully_async",
         "algorithm.max_staleness=2",
@@ -45,7 +45,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         "rollout.max_model_len=128",
         "rollout.max_inflight=8",
         "rollout.max_num_seqs=4",  # generation is the bottleneck: groups are always in flight
-        "train.steps=1000",  # the data (480 prompts, one epoch) ends the run
+        "train.steps=1000",  # the data (320 prompts, one epoch) ends the run
         "train.save_every=2",
         "train.max_failures=1",
         f"data.train={tmp_path / 'train.jsonl'}",
