@@ -193,9 +193,9 @@ def _start_roles(cfg: DictConfig, inputs: Inputs) -> tuple[DictConfig, Any, Any,
     """The weight hub, the run control, the rollout deployment (starting) and the rollouter (ready): the
     config with the resources resolved, and the hub's, the control's and the rollouter's handles.
 
-    The replicas start while the rollouter reads the data and the trainer starts: the trainer's first push
+    CPU replicas start while the rollouter reads the data and the trainer starts: the trainer's first push
     waits for the first replica (app/sync/trainer.py), and `RolloutStartWatch` ends the run at once where
-    the deployment fails to start."""
+    the deployment fails to start. GPU replicas start before the trainer (vLLM measures the free memory)."""
     import ray
 
     from app import ray_compat
@@ -216,6 +216,8 @@ def _start_roles(cfg: DictConfig, inputs: Inputs) -> tuple[DictConfig, Any, Any,
         .remote(to_container(cfg), inputs.model_path, inputs.train, inputs.val)
     )
     ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
+    if cfg.rollout.replica_gpus > 0:  # vLLM sizes its KV cache from the GPU memory free at its start: the
+        RolloutStartWatch(app_name(cfg.ray.name)).wait(cfg.rollout.join_timeout_s)  # trainer comes after
     return cfg, hub, control, rollouter
 
 
@@ -228,6 +230,18 @@ class RolloutStartWatch:
         self.app, self.every_s = app, every_s
         self.running = False
         self.next_check = 0.0
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the application runs (raises where it failed, or after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.running:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the rollout deployment {self.app!r} did not start within rollout.join_timeout_s="
+                    f"{timeout_s:.0f}s (see the Serve view of the dashboard, and the replica's log)"
+                )
+            self()
+            time.sleep(0.5)
 
     def __call__(self) -> None:
         if self.running or time.monotonic() < self.next_check:

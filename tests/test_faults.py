@@ -202,11 +202,14 @@ def test_rollout_start_watch_reports_a_failed_deployment(monkeypatch):
     watch()  # deploying: nothing to say
     with pytest.raises(RuntimeError, match="'r-rollout' failed to start: replica constructor raised"):
         watch()
-    states = iter(["RUNNING"])
+    states = iter(["DEPLOYING", "RUNNING"])
     ok = RolloutStartWatch("r-rollout", every_s=0.0)
-    ok()
+    ok.wait(30)  # GPU replicas: the driver waits for them before the trainer starts
     ok()  # running once: no more queries (the iterator would be exhausted)
     assert ok.running
+    states = iter(["DEPLOYING"] * 1000)
+    with pytest.raises(TimeoutError, match="did not start within rollout.join_timeout_s=1s"):
+        RolloutStartWatch("r-rollout", every_s=0.0).wait(1)
 
 
 class EngineDeadError(RuntimeError):

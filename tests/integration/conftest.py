@@ -146,8 +146,9 @@ def ray_cluster():
     finally:
         from ray import serve
 
-        with contextlib.suppress(Exception):
-            serve.shutdown()
+        if ray.is_initialized():  # (else Serve would try to connect anew, and could hang)
+            with contextlib.suppress(Exception):
+                serve.shutdown()
         ray.shutdown()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
@@ -194,4 +195,7 @@ def rollout_stack(ray_cluster, cache_dir):
     try:
         yield {"cfg": cfg, "inputs": inputs, "hub": hub, "handle": handle, "rollouter": rollouter}
     finally:
-        teardown(cfg, started=False)
+        # (were this process no longer connected, Serve's calls would try to connect anew and hang; the
+        # cluster's own teardown stops everything then)
+        if ray.is_initialized():
+            teardown(cfg, started=False)

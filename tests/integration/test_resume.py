@@ -33,6 +33,8 @@ def _metric(res: dict, key: str) -> list[float]:
 def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, cache_dir, tmp_path):
     from ray.util.state import list_actors
 
+    from app.serve_rollout import hub_name
+
     # steps take about 1 s on an idle machine: enough data that the kill and the stop land before it ends
     uids = _prompts(cache_dir, tmp_path / "train.jsonl", 320)
     common = [
@@ -64,10 +66,13 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         )
     try:
         wait_for("version 3", lambda: hub_status("resume-a")["version"] >= 3, proc, log_a)
+        # this run's trainer workers: those of the job (the run's driver) that created its weight hub (an
+        # earlier test's workers may still be shutting down)
+        (hub,) = list_actors(filters=[("name", "=", hub_name("resume-a")), ("state", "=", "ALIVE")])
         workers = [
             a
             for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
-            if a.class_name == "RayTrainWorker"
+            if a.class_name == "RayTrainWorker" and a.job_id == hub.job_id
         ]
         assert len(workers) == 2, workers
         t_kill = time.monotonic()
