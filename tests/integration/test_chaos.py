@@ -37,12 +37,14 @@ def _engine_core_pid(replica_pid: int) -> int:
     raise AssertionError(f"no EngineCore process under replica pid {replica_pid}")
 
 
-def _replicas() -> list:
+def _replicas(address: str) -> list:
+    """The run's live replica actors (asked of the shared cluster by address: another test's head, stopped
+    since, may be the machine's latest cluster)."""
     from ray.util.state import list_actors
 
     return [
         a
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
+        for a in list_actors(address, filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
         if a.class_name == f"ServeReplica:{NAME}-rollout:rollout"
     ]
 
@@ -80,7 +82,7 @@ def test_dead_engine_loses_nothing(ray_cluster, cache_dir, tmp_path):
             proc,
             log,
         )
-        victims = _replicas()
+        victims = _replicas(ray_cluster["address"])
         assert len(victims) == 2, victims
         ids = [v.name.rsplit("#", 1)[-1] for v in victims]  # SERVE_REPLICA::<app>#<deployment>#<replica id>
         core = _engine_core_pid(victims[0].pid)

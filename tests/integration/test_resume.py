@@ -68,10 +68,12 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         wait_for("version 3", lambda: hub_status("resume-a")["version"] >= 3, proc, log_a)
         # this run's trainer workers: those of the job (the run's driver) that created its weight hub (an
         # earlier test's workers may still be shutting down)
-        (hub,) = list_actors(filters=[("name", "=", hub_name("resume-a")), ("state", "=", "ALIVE")])
+        # (the shared cluster's address: the job test's own head, stopped since, is the machine's latest)
+        at = ray_cluster["address"]
+        (hub,) = list_actors(at, filters=[("name", "=", hub_name("resume-a")), ("state", "=", "ALIVE")])
         workers = [
             a
-            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
+            for a in list_actors(at, filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
             if a.class_name == "RayTrainWorker" and a.job_id == hub.job_id
         ]
         assert len(workers) == 2, workers
