@@ -109,6 +109,7 @@ def start_ray(cfg: DictConfig) -> bool:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One training run. Returns the RESULT record; raises if the run failed."""
     from app import checkpoint
+    from app.serve_rollout import app_name
 
     t0 = time.time()
     resume = str(checkpoint.find(cfg.train.resume)) if cfg.train.resume else None  # fails early, clearly
@@ -118,9 +119,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     status = "FAILED"
     try:
         # the actor handles live as long as this frame: a named actor whose last handle is dropped is killed
-        cfg, hub, control, _rollouter = _start_roles(cfg, inputs)
+        watch = RolloutStartWatch(app_name(cfg.ray.name))
+        cfg, hub, control, _rollouter = _start_roles(cfg, inputs, watch)
         trainer = _build_trainer(cfg, inputs, rec, resume)
-        result = _fit(trainer, hub, control, rec, t0, RolloutStartWatch(_app_name(cfg)))
+        result = _fit(trainer, hub, control, rec, t0, watch)
         out = _collect(result, rec, t0)
         status = "FINISHED"
         return out
@@ -189,13 +191,15 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def _start_roles(cfg: DictConfig, inputs: Inputs) -> tuple[DictConfig, Any, Any, Any]:
+def _start_roles(
+    cfg: DictConfig, inputs: Inputs, watch: RolloutStartWatch
+) -> tuple[DictConfig, Any, Any, Any]:
     """The weight hub, the run control, the rollout deployment (starting) and the rollouter (ready): the
     config with the resources resolved, and the hub's, the control's and the rollouter's handles.
 
     CPU replicas start while the rollouter reads the data and the trainer starts: the trainer's first push
-    waits for the first replica (app/sync/trainer.py), and `RolloutStartWatch` ends the run at once where
-    the deployment fails to start. GPU replicas start before the trainer (vLLM measures the free memory)."""
+    waits for the first replica (app/sync/trainer.py), and `watch` ends the run at once where the
+    deployment fails to start. GPU replicas start before the trainer (vLLM measures the free memory)."""
     import ray
 
     from app import ray_compat
@@ -217,7 +221,7 @@ def _start_roles(cfg: DictConfig, inputs: Inputs) -> tuple[DictConfig, Any, Any,
     )
     ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
     if cfg.rollout.replica_gpus > 0:  # vLLM sizes its KV cache from the GPU memory free at its start: the
-        RolloutStartWatch(app_name(cfg.ray.name)).wait(cfg.rollout.join_timeout_s)  # trainer comes after
+        watch.wait(cfg.rollout.join_timeout_s)  # trainer comes after
     return cfg, hub, control, rollouter
 
 
@@ -300,12 +304,6 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
             worker_runtime_env={"env_vars": role_env(t.worker_gpus if t.use_gpu else 0)},
         ),
     )
-
-
-def _app_name(cfg: DictConfig) -> str:
-    from app.serve_rollout import app_name
-
-    return app_name(cfg.ray.name)
 
 
 def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float, watch: Callable[[], None]) -> Any:
@@ -440,11 +438,8 @@ def teardown(cfg: DictConfig, started: bool) -> None:
             log.warning("serve shutdown: %s", e)
         ray.shutdown()
         return
-    try:
-        if cfg.rollout.replica_gpus > 0:  # the next run on these GPUs needs their memory back
-            serve.delete(app_name(cfg.ray.name))
-        else:  # the controller stops the CPU replicas (an engine's shutdown takes seconds): no need to wait
-            ray_compat.delete_app(app_name(cfg.ray.name))
+    try:  # a next run on these GPUs needs their memory back; CPU replicas stop without anyone waiting
+        ray_compat.delete_app(app_name(cfg.ray.name), wait=cfg.rollout.replica_gpus > 0)
     except Exception as e:
         log.warning("deleting the rollout app: %s", e)
     for name in (hub_name(cfg.ray.name), control_name(cfg.ray.name), rollouter_name(cfg.ray.name)):

@@ -10,8 +10,8 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
                               `ReplicaID.unique_id` attribute is not documented)
     deploy_app                ray.serve.run_many (developer API): start deploying an application without
                               waiting for its replicas (serve.run has no public way not to wait)
-    delete_app                ray.serve.delete(_blocking=False) (private argument): ask Serve to delete an
-                              application without waiting for its replicas' graceful shutdown
+    delete_app                ray.serve.delete(_blocking=...) (private argument): delete an application,
+                              waiting for its replicas' graceful shutdown or not
 
 Nothing else in app/ may import `ray._private`, `ray.experimental`, `ray.llm._internal`, `ray.serve._private`
 or any other `_internal`/`_private` Ray module. Ray is imported inside each function: importing this module
@@ -75,8 +75,9 @@ def deploy_app(app: Any, name: str, external_scaler_enabled: bool = False) -> No
     serve.run_many([target], wait_for_applications_running=False)
 
 
-def delete_app(name: str) -> None:
-    """Ask Serve's controller to delete application `name` (it stops the replicas) without waiting for them."""
+def delete_app(name: str, wait: bool) -> None:
+    """Delete Serve application `name`; with `wait`, return once its replicas stopped, else leave stopping
+    them to Serve's controller."""
     from ray import serve
 
-    serve.delete(name, _blocking=False)
+    serve.delete(name, _blocking=wait)

@@ -158,7 +158,6 @@ def test_a_failed_rollout_deployment_ends_the_run_while_fit_waits():
     main thread's watch raises Serve's failure, which ends the wait at once, signal handlers restored."""
     import signal
     import threading
-    import time
 
     from app.driver import fit_with_clean_stop
 
