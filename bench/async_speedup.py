@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--partial", default="keep", choices=["keep", "resubmit", "off"])
     ap.add_argument("--max-inflight", type=int, default=0, help="fully_async groups in flight (0: 2 batches)")
     ap.add_argument("--modes", default="sync,one_step_off,fully_async")
+    ap.add_argument("--gpu", action="store_true", help="configs/gpu1.yaml: replica and trainer share one GPU")
     ap.add_argument("--cache-dir", default=".cache/relay")
     ap.add_argument("--out", default="runs/bench_async_speedup")
     args = ap.parse_args()
@@ -86,12 +87,19 @@ def main() -> None:
             "algorithm.correction=decoupled",
         ]
     }
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=16,
+        include_dashboard=False,
+        log_to_driver=False,
+        # as app.driver.start_ray: roles that asked for no GPU must not see one
+        runtime_env={"env_vars": {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}},
+    )
     results: dict[str, dict] = {}
     try:
         for mode in args.modes.split(","):
             cfg = load_config(
-                None,
+                "gpu1" if args.gpu else None,
                 [
                     *common,
                     f"algorithm.mode={mode}",
@@ -121,6 +129,7 @@ def main() -> None:
         "lengths": args.lengths,
         "max_staleness": args.max_staleness,
         "partial": args.partial,
+        "gpu": args.gpu,
         "modes": results,
         "ratio_to_sync": {m: round(r["tokens_per_s"] / base, 3) for m, r in results.items()} if base else {},
     }

@@ -5,9 +5,10 @@
 For each Qwen2.5 shape: a vLLM AsyncLLM with random (dummy) weights and Relay's worker extension, and, in this
 process, a bf16 state dict of the same names on the same GPU (the trainer's side). Each push: the IPC
 transport (app/sync/ipc.py) as rank 0 and the engine's worker as rank 1, exactly as a replica receives it
-(pause in keep mode with requests in flight, receive + layerwise reload, set the version, resume). Reports
-the push time (trainer walk and the replica's pause), the raw copy of the same bytes, and that the checksums
-match. Prints one JSON line per shape.
+(pause in keep mode with requests in flight, receive and load, set the version, resume), for each way of
+loading (`--loads`: slots, load_weights, layerwise reload). Reports the push time (trainer walk and the
+replica's pause), the raw copy of the same bytes, that the checksums match, and that every way of loading
+left the same parameters. Prints one JSON line per shape.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def trainer_state(path: str) -> dict:
     }
 
 
-async def push(engine, state: dict, version: int, bucket_mb: float, loop) -> dict:
+async def push(engine, state: dict, version: int, bucket_mb: float, loop, load: str) -> dict:
     """One push as ReplicaSync does it: pause(keep) -> relay_receive -> set version -> resume."""
     from app.sync import plan_buckets, plan_to_json
     from app.vllm import engine as vla
@@ -82,7 +83,7 @@ async def push(engine, state: dict, version: int, bucket_mb: float, loop) -> dic
     th.start()
     await vla.pause(engine, "keep")
     t_paused = time.perf_counter()
-    res = await vla.rpc(engine, "relay_receive", plan_json=plan_to_json(plan))
+    res = await vla.rpc(engine, "relay_receive", plan_json=plan_to_json(plan), load=load)
     await vla.set_version(engine, version)
     await vla.resume(engine)
     t1 = time.perf_counter()
@@ -96,6 +97,8 @@ async def push(engine, state: dict, version: int, bucket_mb: float, loop) -> dic
         "trainer_walk_s": stats.total_s,
         "receive_transfer_s": res[0]["transfer_s"],
         "receive_load_s": res[0]["load_s"],
+        "receive_s": res[0]["receive_s"],
+        "load": res[0]["load"],
         "checksums_match": res[0]["checksums"] == stats.checksums,
         "nbytes": stats.nbytes,
         "buckets": stats.buckets,
@@ -118,9 +121,10 @@ def raw_copy_s(state: dict) -> float:
 
 
 SENDER = None
+CUDA_GRAPHS = False
 
 
-async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float) -> dict:
+async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float, loads: list[str]) -> dict:
     global SENDER
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -134,8 +138,8 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
         model=path,
         load_format="dummy",
         dtype="bfloat16",
-        max_model_len=512,
-        enforce_eager=True,
+        max_model_len=2048,
+        enforce_eager=not CUDA_GRAPHS,
         gpu_memory_utilization=gpu_util,
         skip_tokenizer_init=True,
         worker_extension_cls=vla.WORKER_EXTENSION,
@@ -165,7 +169,7 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
                     engine,
                     [1, 2, 3, 4] * 8,
                     n=4,
-                    max_tokens=200,
+                    max_tokens=1000,
                     temperature=1.0,
                     top_p=1.0,
                     version=0,
@@ -175,26 +179,41 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
             for _ in range(16)
         ]
         await asyncio.sleep(0.5)  # requests in flight: the pause freezes them (keep)
-        runs = [await push(engine, state, v, bucket_mb, loop) for v in range(1, pushes + 2)]
+        runs: dict[str, list[dict]] = {}
+        digests: dict[str, dict] = {}
+        version = 0
+        for load in loads:
+            runs[load] = []
+            for _ in range(pushes + 1):  # the first push of a mode warms up (and maps the staging buffer)
+                version += 1
+                in_flight = sum(not g.done() for g in gen)
+                r = await push(engine, state, version, bucket_mb, loop, load=load)
+                runs[load].append({**r, "requests_in_flight": in_flight})
+            # the same state was pushed: every way of loading must leave the same parameters
+            digests[load] = (await vla.rpc(engine, "relay_params_digest"))[0]
         outs = await asyncio.gather(*gen)
         versions = sorted({v for o in outs for s in o for v in s["versions"]})
         raw = raw_copy_s(state)
         SENDER.close()
     finally:
         vla.shutdown(engine)
-    steady = runs[1:]  # the first push maps the staging buffer and warms up
-    best = min(steady, key=lambda r: r["push_s"])
-    return {
+    out = {
         "bench": "ipc_push",
         "shape": shape,
-        "nbytes": best["nbytes"],
-        "buckets": best["buckets"],
-        "push_s": [round(r["push_s"], 4) for r in runs],
-        "best": best,
         "raw_copy_s": round(raw, 5),
-        "push_over_raw": round(best["push_s"] / raw, 1),
         "token_versions_seen": versions,
+        "params_equal_across_loads": len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1,
+        "params": len(next(iter(digests.values()), {})),
     }
+    for load, rs in runs.items():
+        best = min(rs[1:], key=lambda r: r["push_s"])
+        out[load] = {
+            "push_s": [round(r["push_s"], 4) for r in rs],
+            "pause_s": [round(r["pause_s"], 4) for r in rs],
+            "best": best,
+            "push_over_raw": round(best["push_s"] / raw, 1),
+        }
+    return out
 
 
 def main() -> None:
@@ -203,9 +222,15 @@ def main() -> None:
     ap.add_argument("--pushes", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=256.0)
     ap.add_argument("--gpu-util", type=float, default=0.4)
+    ap.add_argument(
+        "--loads", default="slots,weights,layerwise", help="slots (the GPU default), weights, layerwise"
+    )
+    ap.add_argument("--cuda-graphs", action="store_true", help="the engine captures CUDA graphs")
     a = ap.parse_args()
+    global CUDA_GRAPHS
+    CUDA_GRAPHS = a.cuda_graphs
     for shape in a.shapes.split(","):
-        res = asyncio.run(bench_shape(shape, a.pushes, a.bucket_mb, a.gpu_util))
+        res = asyncio.run(bench_shape(shape, a.pushes, a.bucket_mb, a.gpu_util, a.loads.split(",")))
         sys.stdout.write(json.dumps(res) + "\n")
         sys.stdout.flush()
 

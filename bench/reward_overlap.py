@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--rewards", default="delay,sandbox")
+    ap.add_argument("--gpu", action="store_true", help="configs/gpu1.yaml: replica and trainer share one GPU")
     ap.add_argument("--cache-dir", default=".cache/relay")
     ap.add_argument("--out", default="runs/bench_reward_overlap")
     args = ap.parse_args()
@@ -96,6 +97,9 @@ def main() -> None:
         f"run_dir={out}",
     ]
     env = {"RELAY_BENCH_REWARD_DELAY_S": str(args.delay_s), "PYTHONPATH": str(Path.cwd())}
+    if os.environ.get("PYTHONPATH"):  # e.g. the GPU machine's overlay
+        env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+    env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"  # as app.driver.start_ray: no GPU for roles without one
     os.environ.update(env)
     ray.init(
         address="local",
@@ -114,7 +118,7 @@ def main() -> None:
             for overlap in (False, True):
                 name = f"{kind}-{'overlap' if overlap else 'after'}"
                 cfg = load_config(
-                    None,
+                    "gpu1" if args.gpu else None,
                     [
                         *common,
                         f"reward.fn={fn}",
@@ -136,6 +140,7 @@ def main() -> None:
         "delay_s": args.delay_s,
         "reward_workers": args.workers,
         "max_concurrency": args.max_concurrency,
+        "gpu": args.gpu,
         "step_s": results,
         "after_over_overlap": {k: round(v["after"] / v["overlap"], 3) for k, v in results.items()},
     }

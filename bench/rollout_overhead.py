@@ -1,6 +1,10 @@
 """Generated tokens/s through Relay's Serve rollout path vs a raw vLLM AsyncLLM, same engine args and requests.
 
     python bench/rollout_overhead.py [--prompts 64] [--n 8] [--max-tokens 64] [--rounds 3]
+    python bench/rollout_overhead.py --gpu --shape 0.5b --max-tokens 256     # a Qwen2.5-0.5B-shaped model
+
+The embedded tiny model by default; `--shape 0.5b|1.5b|3b` builds a Qwen2.5-shaped model with random weights
+and a synthetic word-level tokenizer over the full 151,936-token vocabulary (prompts are random token ids).
 
 Runs the raw engine first (in this process), shuts it down, then the same requests through one Serve replica
 (the deployment of app/serve_rollout.py, weight-sync loop running). Prints a final JSON line with the ratio.
@@ -25,6 +29,38 @@ from app.resources import memory_share
 from app.vllm import engine as vla
 
 log = logging.getLogger("bench.rollout_overhead")
+
+
+def synthetic_model(shape: str, gpu: bool) -> str:
+    """A Qwen2.5-shaped model directory: random bf16 weights and a tokenizer with the full vocabulary."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ipc_push import model_dir
+
+    path = model_dir(shape)
+    cfg = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    with torch.device("cuda" if gpu else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    vocab = {f"<t{i}>": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<t0>"))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<t1>", pad_token="<t0>", unk_token="<t0>")
+    fast.save_pretrained(path)
+    if gpu:
+        torch.cuda.empty_cache()
+    return path
+
+
+def random_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(count)]
 
 
 def requests(prompts: list[list[int]], n: int, max_tokens: int) -> list[dict]:
@@ -91,19 +127,29 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shape", default="", help="0.5b, 1.5b or 3b: a Qwen2.5-shaped model (random weights)")
+    ap.add_argument("--set", nargs="*", default=[], help="config overrides (key=value) for both paths")
+    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens with --shape")
     ap.add_argument("--gpu", action="store_true", help="vLLM on the GPU (configs/gpu1.yaml's replica share)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = load_config("gpu1" if args.gpu else None, ["ray.name=bench", "rollout.max_model_len=256"])
+    max_len = args.prompt_len + args.max_tokens if args.shape else 256
+    overrides = ["ray.name=bench", f"rollout.max_model_len={max_len}", *args.set]
+    cfg = load_config("gpu1" if args.gpu else None, overrides)
     if not args.gpu:
         os.environ.update(vla.cpu_env(cfg.rollout.kv_cache_gib))
-    from transformers import AutoTokenizer
+    if args.shape:
+        model_path = synthetic_model(args.shape, args.gpu)
+        prompts = random_prompts(args.prompts, args.prompt_len, 151936)
+    else:
+        from transformers import AutoTokenizer
 
-    from app.driver import resolve_inputs
+        from app.driver import resolve_inputs
 
-    inputs = resolve_inputs(cfg)
-    tok = AutoTokenizer.from_pretrained(inputs.model_path)
-    prompts = [tok.encode(r.prompt, add_special_tokens=False) for r in inputs.val_rows[: args.prompts]]
+        inputs = resolve_inputs(cfg)
+        model_path = inputs.model_path
+        tok = AutoTokenizer.from_pretrained(model_path)
+        prompts = [tok.encode(r.prompt, add_special_tokens=False) for r in inputs.val_rows[: args.prompts]]
     reqs = requests(prompts, args.n, args.max_tokens)
     r = cfg.rollout
     engine_kw = dict(
@@ -113,8 +159,9 @@ def main() -> None:
         gpu_memory_utilization=memory_share(r),
         seed=cfg.seed,
         use_gpu=args.gpu,
+        cuda_graphs=r.cuda_graphs,
     )
-    raw = asyncio.run(run_raw(inputs.model_path, engine_kw, reqs, args.rounds))
+    raw = asyncio.run(run_raw(model_path, engine_kw, reqs, args.rounds))
     log.info("raw AsyncLLM: %s tokens/s", [round(x) for x in raw])
 
     import ray
@@ -133,7 +180,7 @@ def main() -> None:
     try:
         hub = ray.remote(WeightHub).options(name=hub_name("bench"), namespace=NAMESPACE, num_cpus=0).remote()
         ray.get(hub.status.remote())
-        handle = serve.run(build_app(cfg, inputs.model_path), name=app_name("bench"), route_prefix=None)
+        handle = serve.run(build_app(cfg, model_path), name=app_name("bench"), route_prefix=None)
         served = asyncio.run(run_serve(handle, reqs, args.rounds))
     finally:
         serve.shutdown()
@@ -142,12 +189,17 @@ def main() -> None:
     raw_best, serve_best = max(raw), max(served)
     result = {
         "bench": "rollout_overhead",
+        "model": args.shape or "tiny",
+        "gpu": args.gpu,
         "prompts": args.prompts,
         "n": args.n,
         "max_tokens": args.max_tokens,
         "raw_tokens_per_s": round(raw_best, 1),
         "serve_tokens_per_s": round(serve_best, 1),
         "serve_over_raw": round(serve_best / raw_best, 3),
+        "raw_rounds": [round(x) for x in raw],
+        "serve_rounds": [round(x) for x in served],
+        "overrides": args.set,
     }
     sys.stdout.write(json.dumps(result) + "\n")
 

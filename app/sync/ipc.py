@@ -2,10 +2,10 @@
 
 Rank 0 packs each bucket into a staging buffer on its GPU and hands the receivers a CUDA IPC handle of that
 buffer (torch's `reduce_tensor`: the handle, the producer's ref counter and a CUDA event ordering the pack
-before every read). Each receiver (a vLLM worker on the same GPU) opens the handle once per push, copies the
-bucket out of the trainer's memory into its own, and reports that copy done; the trainer then reuses the staging
-buffer for the next bucket while the receivers checksum and load the previous one (the same layerwise reload
-as the broadcast). The handles and descriptions travel through a gloo `StatelessGroup` of the same epoch
+before every read). Each receiver (a vLLM worker on the same GPU) opens the handle once per push, checksums
+the bucket and loads it straight out of the trainer's memory into its parameters, and reports that done; the
+trainer then reuses the staging buffer for the next bucket. (An earlier version copied each bucket out first,
+so the trainer could pack the next one during the load: the copy cost more than the overlap saved.) The handles and descriptions travel through a gloo `StatelessGroup` of the same epoch
 (the one-byte-per-bucket control traffic of this transport); the bytes never leave the GPU.
 
 Versions, acknowledgements and checksums are the hub's, as for every transport. The receivers close their
@@ -182,31 +182,30 @@ class IpcTransport(BroadcastTransport):
                 meta = self._meta()
                 if not meta:
                     raise SyncError(f"the trainer failed before bucket {bucket.index} of v{plan.version}")
-                flat, err = None, None
-                try:
-                    flat = self._copy_out(meta, opened, dev)
+                t1 = time.perf_counter()
+                err = None
+                try:  # straight from the trainer's staging buffer: no copy of our own
+                    flat = self._mapped(meta, opened, dev)
+                    sums.append(_checksum_sums(flat))
+                    load(unpack(bucket, flat))
+                    if flat.is_cuda:  # read before the trainer may overwrite the stage
+                        torch.cuda.current_stream(dev).synchronize()
                 except Exception as e:  # still signal: every end must learn of it at the same bucket
                     err = e
+                t2 = time.perf_counter()
                 if not self._signal(err is None):
                     raise SyncError(
                         f"bucket {bucket.index} of v{plan.version} failed: {err or 'another receiver'}"
                     )
-                assert flat is not None
-                t1 = time.perf_counter()
-                timing["transfer_s"] += t1 - t0
-                sums.append(_checksum_sums(flat))
-                load(unpack(bucket, flat))
-                timing["load_s"] += time.perf_counter() - t1
+                timing["transfer_s"] += (t1 - t0) + (time.perf_counter() - t2)
+                timing["load_s"] += t2 - t1
         finally:
             opened.clear()
         return _ck_strings(sums), timing
 
-    def _copy_out(self, meta: bytes, opened: dict[bytes, torch.Tensor], dev: torch.device) -> torch.Tensor:
-        """This bucket's bytes copied from the trainer's staging buffer into our own memory."""
+    def _mapped(self, meta: bytes, opened: dict[bytes, torch.Tensor], dev: torch.device) -> torch.Tensor:
+        """This bucket's bytes in the trainer's staging buffer, mapped into this process."""
         src = open_handle(meta, dev)
         # keep the first mapping of the staging buffer all push long: torch's cache then maps it only once
         opened.setdefault(pickle.loads(meta)[7], src)
-        flat = src.clone()
-        if flat.is_cuda:  # copied before the trainer may overwrite the stage
-            torch.cuda.current_stream(dev).synchronize()
-        return flat
+        return src

@@ -7,9 +7,11 @@ would otherwise load weights in the middle of generation, silently mixing two po
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
@@ -99,8 +101,10 @@ def create_engine(
     seed: int = 0,
     use_gpu: bool = False,
     partial: str = "keep",
+    cuda_graphs: bool = False,
 ) -> Any:
-    """An AsyncLLM with our worker extension, behaviour log-probs after temperature, eager mode.
+    """An AsyncLLM with our worker extension, behaviour log-probs after temperature; eager mode unless
+    `cuda_graphs` on a GPU (weights load in place, so captured graphs stay valid across pushes).
 
     Raises EngineCapabilityError before starting anything when the engine cannot serve `rollout.partial`.
     """
@@ -113,7 +117,7 @@ def create_engine(
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        enforce_eager=True,
+        enforce_eager=not (use_gpu and cuda_graphs),
         seed=seed,
         worker_extension_cls=WORKER_EXTENSION,
         enable_prefix_caching=False,
@@ -137,14 +141,15 @@ def _seeded_sampling_ok() -> bool:
 class _Book:
     """Per-token versions where the engine has no weight-version spans (vLLM < 0.29).
 
-    A keep-mode pause returns once the output queue is drained, so while paused every in-flight request's
-    output count is exactly the tokens the old weights sampled. `mark` records those counts under the old
-    version; a finished request's tokens are labelled from its marks, the rest with the version at finish.
+    While a keep-mode pause lasts nothing is sampled, so once the outputs sent before it are processed, every
+    in-flight request's output count is exactly the tokens the old weights sampled. `set_version` (after the
+    load) waits for that and `mark` records those counts under the old version; a finished request's tokens are labelled from its marks, the rest with the version at finish.
     Arrival times cannot label tokens: output deltas are merged, so a boundary can fall inside one.
     """
 
     def __init__(self) -> None:
         self.current: int | None = None
+        self.pending = False  # a keep-mode pause happened: mark before the next version is set
         self.marks: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (request, sample) -> [(n, version)]
 
     def mark(self, engine: Any) -> None:
@@ -292,7 +297,20 @@ async def set_version(engine: Any, version: int) -> None:
     else:
         book = _book(engine)
         if book is not None:
+            if book.pending:  # a keep-mode pause: what the frozen requests sampled is the old version's
+                await _outputs_processed(engine)
+                book.mark(engine)
+                book.pending = False
             book.current = version
+
+
+async def _outputs_processed(engine: Any, deadline_s: float = 1.0) -> None:
+    """Wait (briefly, bounded) until the outputs the engine core sent before its pause are processed."""
+    q = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
+    end = time.monotonic() + deadline_s
+    while q is not None and not q.empty() and time.monotonic() < end:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0)  # the output handler's current chunk
 
 
 async def rpc(engine: Any, method: str, timeout: float | None = None, **kwargs: Any) -> list[Any]:
@@ -303,11 +321,19 @@ async def rpc(engine: Any, method: str, timeout: float | None = None, **kwargs: 
 async def pause(engine: Any, partial: str = "keep") -> None:
     """Pause generation for a weight load. `keep`: in-flight requests freeze and continue after resume with
     their KV cache recomputed; `resubmit`: they are aborted (the caller resubmits them); `off`: they finish
-    under the old weights first. (`check_capabilities` made sure the engine has it: never skipped.)"""
-    await engine.pause_generation(mode=PAUSE_MODES[partial], clear_cache=True)
+    under the old weights first. (`check_capabilities` made sure the engine has it: never skipped.)
+
+    `keep` goes to the engine core directly: `pause_generation` adds a fixed 20 ms sleep so that outputs
+    sampled before the pause are processed when it returns; the version book reads them only at
+    `set_version`, after the load, so a keep-mode pause (the one on the push's critical path) skips it."""
+    core = getattr(engine, "engine_core", None)
+    if partial == "keep" and hasattr(core, "pause_scheduler_async"):
+        await core.pause_scheduler_async(mode="keep", clear_cache=True)
+    else:
+        await engine.pause_generation(mode=PAUSE_MODES[partial], clear_cache=True)
     book = _book(engine)
-    if book is not None and partial == "keep":  # frozen requests resume under the next version
-        book.mark(engine)
+    if book is not None:  # frozen requests resume under the next version: mark them at `set_version`
+        book.pending = partial == "keep"
 
 
 async def resume(engine: Any) -> None:

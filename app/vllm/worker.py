@@ -8,14 +8,17 @@ travel only through the epoch's transport (app/sync/transport.py), built from th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from app.log_filters import silence_vllm_reload_warnings
 from app.sync import checksum, group_from_json, make_transport, plan_from_json
+from app.vllm.fast_load import copy_into, plan_slots
 
 log = logging.getLogger(__name__)
 # vLLM restores each RotaryEmbedding's computed buffer after a reload and warns about it on every push
@@ -40,28 +43,76 @@ class RelayWorkerExtension:
         self._relay_transport = transport
         return {"rank": rank, "join_s": time.perf_counter() - t0}
 
-    def relay_receive(self, plan_json: str) -> dict[str, Any]:
-        """Receive and load one push; returns the per-bucket checksums and timings."""
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
+    def relay_receive(self, plan_json: str, load: str | None = None) -> dict[str, Any]:
+        """Receive and load one push; returns the per-bucket checksums, timings and how it loaded.
 
+        `load` (None: decide here): `layerwise` wraps `load_weights` in vLLM's layerwise reload, needed where
+        the engine post-processes loaded weights (on CPU linear layers pre-pack their weights and drop
+        `.weight`, so a plain load_weights crashes; quantized layers repack). Unquantized weights on a GPU
+        skip it (its bookkeeping was 120-140 ms of a 1.5B push): `slots` copies each tensor straight into
+        its place (app/vllm/fast_load.py) where the model keeps its parameters whole, else `weights` calls
+        `load_weights`."""
         transport = getattr(self, "_relay_transport", None)
         if transport is None:
             raise RuntimeError("relay_receive before relay_join: this worker is not in the weight group")
         plan = plan_from_json(plan_json)
         model = self.get_model()
-        # On CPU, linear layers pre-pack their weights and drop `.weight`: a plain load_weights crashes.
-        # The layerwise reload restores the layout, loads, and re-runs the post-load processing.
+        if load is None:
+            load = "layerwise" if self._relay_needs_reload() else "slots"
+        loader = self._relay_slot_loader(model, plan) if load == "slots" else None
+        if loader is None:
+            load = "layerwise" if load == "layerwise" else "weights"
+            loader = lambda items: model.load_weights(items)  # noqa: E731
+        t0 = time.perf_counter()
+        with self._relay_reload(model, load == "layerwise"):
+            checksums, timing = transport.receive(plan, loader, self._relay_device())
+        return {"checksums": checksums, **timing, "load": load, "receive_s": time.perf_counter() - t0}
+
+    def _relay_needs_reload(self) -> bool:
+        quantized = getattr(getattr(self, "model_config", None), "quantization", None) is not None
+        return self._relay_device().type != "cuda" or quantized
+
+    def _relay_slot_loader(self, model: Any, plan: Any) -> Callable[[list], None] | None:
+        """A loader that copies each tensor into its slot, or None where `plan_slots` cannot place them all
+        (the slots are worked out once per set of pushed names)."""
+        key = tuple(t.name for b in plan.buckets for t in b.tensors)
+        params = dict(model.named_parameters())  # each push: a layerwise reload may replace parameters
+        if getattr(self, "_relay_slots_key", None) != key:
+            shapes = {t.name: tuple(t.shape) for b in plan.buckets for t in b.tensors}
+            tied = bool(getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False))
+            self._relay_slots = plan_slots(
+                shapes,
+                {n: tuple(p.shape) for n, p in params.items()},
+                getattr(model, "packed_modules_mapping", {}) or {},
+                skip=("lm_head.",) if tied else (),
+            )
+            self._relay_slots_key = key
+            if self._relay_slots is None:
+                log.info("pushed tensors do not map onto whole parameters: loading through load_weights")
+        slots = self._relay_slots
+        if slots is None:
+            return None
+        return lambda items: copy_into(params, slots, items)
+
+    def relay_params_digest(self) -> dict[str, str]:
+        """Checksum of every parameter of the engine's model (names as vLLM holds them; for tests)."""
+        return {n: checksum(p.detach().reshape(-1)) for n, p in self.get_model().named_parameters()}
+
+    @contextlib.contextmanager
+    def _relay_reload(self, model: Any, layerwise: bool) -> Iterator[None]:
+        if not layerwise:
+            yield
+            return
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
         initialize_layerwise_reload(model)
         try:
-            checksums, timing = transport.receive(
-                plan, lambda items: model.load_weights(items), self._relay_device()
-            )
+            yield
         finally:
             finalize_layerwise_reload(model, self.model_config)
-        return {"checksums": checksums, **timing}
 
     def relay_leave(self) -> None:
         transport = getattr(self, "_relay_transport", None)

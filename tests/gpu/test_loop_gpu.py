@@ -97,7 +97,7 @@ def test_logprobs_agree_after_ipc_push(cache_dir, tmp_path):
 
 
 MODES = {
-    "sync": ["train.steps=12", "algorithm.val_every=4"],
+    "sync": ["train.steps=60", "algorithm.val_every=5"],  # make train's curve (CPU) beside it
     "one_step_off": ["train.steps=4", "algorithm.val_every=4"],
     "fully_async": [
         "train.steps=6",

@@ -1,0 +1,99 @@
+"""app/vllm/fast_load.py: where pushed tensors land in an engine that keeps its parameters whole."""
+
+from __future__ import annotations
+
+import torch
+
+from app.vllm.fast_load import Slot, copy_into, plan_slots
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _pushed() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {
+        "model.embed_tokens.weight": (10, 4),
+        "model.layers.0.self_attn.q_proj.weight": (4, 4),
+        "model.layers.0.self_attn.k_proj.weight": (2, 4),
+        "model.layers.0.self_attn.v_proj.weight": (2, 4),
+        "model.layers.0.self_attn.q_proj.bias": (4,),
+        "model.layers.0.self_attn.k_proj.bias": (2,),
+        "model.layers.0.self_attn.v_proj.bias": (2,),
+        "model.layers.0.mlp.gate_proj.weight": (6, 4),
+        "model.layers.0.mlp.up_proj.weight": (6, 4),
+        "model.layers.0.mlp.down_proj.weight": (4, 6),
+        "lm_head.weight": (10, 4),
+    }
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _engine() -> dict[str, torch.Tensor]:
+    return {
+        "model.embed_tokens.weight": torch.zeros(10, 4),
+        "model.layers.0.self_attn.qkv_proj.weight": torch.zeros(8, 4),
+        "model.layers.0.self_attn.qkv_proj.bias": torch.zeros(8),
+        "model.layers.0.mlp.gate_up_proj.weight": torch.zeros(12, 4),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(4, 6),
+    }
+
+
+def _shapes(d: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in d.items()}
+
+
+def test_packed_parts_land_in_order_and_tied_head_is_skipped():
+    pushed, engine = _pushed(), _engine()
+    slots = plan_slots(_shapes(pushed), _shapes(engine), PACKED, skip=("lm_head.",))
+    assert slots is not None
+    assert slots["model.layers.0.self_attn.k_proj.weight"] == Slot(
+        "model.layers.0.self_attn.qkv_proj.weight", 4, 2
+    )
+    assert slots["model.layers.0.self_attn.v_proj.bias"] == Slot(
+        "model.layers.0.self_attn.qkv_proj.bias", 6, 2
+    )
+    assert slots["model.layers.0.mlp.up_proj.weight"] == Slot("model.layers.0.mlp.gate_up_proj.weight", 6, 6)
+    assert slots["lm_head.weight"] is None
+    items = list(pushed.items())
+    copy_into(engine, slots, items[:5])  # two buckets, split inside the packed q/k/v
+    copy_into(engine, slots, items[5:])
+    a = "model.layers.0.self_attn."
+    want_qkv = torch.cat([pushed[a + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(engine[a + "qkv_proj.weight"], want_qkv)
+    assert torch.equal(
+        engine[a + "qkv_proj.bias"],
+        torch.cat([pushed[a + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")]),
+    )
+    m = "model.layers.0.mlp."
+    assert torch.equal(
+        engine[m + "gate_up_proj.weight"],
+        torch.cat([pushed[m + "gate_proj.weight"], pushed[m + "up_proj.weight"]]),
+    )
+    assert torch.equal(engine["model.embed_tokens.weight"], pushed["model.embed_tokens.weight"])
+    assert torch.equal(engine[m + "down_proj.weight"], pushed[m + "down_proj.weight"])
+
+
+def test_copy_casts_to_the_engine_dtype():
+    pushed, engine = _pushed(), {n: t.to(torch.bfloat16) for n, t in _engine().items()}
+    slots = plan_slots(_shapes(pushed), _shapes(engine), PACKED, skip=("lm_head.",))
+    copy_into(engine, slots, list(pushed.items()))
+    assert torch.equal(
+        engine["model.embed_tokens.weight"], pushed["model.embed_tokens.weight"].to(torch.bfloat16)
+    )
+
+
+def test_anything_it_cannot_place_falls_back():
+    pushed, engine = _pushed(), _engine()
+    # a sharded engine (tensor parallel 2): qkv holds half the rows
+    sharded = {**_shapes(engine), "model.layers.0.self_attn.qkv_proj.weight": (4, 4)}
+    assert plan_slots(_shapes(pushed), sharded, PACKED, skip=("lm_head.",)) is None
+    # a padded vocabulary
+    padded = {**_shapes(engine), "model.embed_tokens.weight": (16, 4)}
+    assert plan_slots(_shapes(pushed), padded, PACKED, skip=("lm_head.",)) is None
+    # an untied head the engine has no parameter for
+    assert plan_slots(_shapes(pushed), _shapes(engine), PACKED) is None
+    # an engine parameter the push leaves unfilled
+    extra = {**_shapes(engine), "model.norm.weight": (4,)}
+    assert plan_slots(_shapes(pushed), extra, PACKED, skip=("lm_head.",)) is None
+    # a part without its siblings
+    partial = {k: v for k, v in _shapes(pushed).items() if "v_proj" not in k}
+    assert plan_slots(partial, _shapes(engine), PACKED, skip=("lm_head.",)) is None
