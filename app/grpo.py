@@ -216,3 +216,99 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     picked = torch.gather(logits, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as float32: the matmul runs in the inputs' dtype (bf16 tensor cores on a GPU) and, where torch
+    supports it, writes float32 results straight from its float32 accumulators."""
+    if a.dtype in (torch.bfloat16, torch.float16) and a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without mm(out_dtype=...) for this dtype
+            pass
+    return torch.mm(a, b).float()
+
+
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 logits ``hidden [c, H] @ weight.T [H, V]``."""
+    return _mm_f32(hidden, weight.t())
+
+
+def _chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """log-sum-exp, target log-prob and (optionally) entropy of float32 ``logits [c, V]``."""
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    ent = None
+    if with_entropy:
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return lse, logp, ent
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """Target log-probs of ``hidden @ weight.T`` in chunks of rows; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, with_entropy):
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_zeros(n, dtype=torch.float32)
+        for s in range(0, n, chunk):
+            e = min(n, s + chunk)
+            c_lse, c_logp, c_ent = _chunk_stats(_head_logits(hidden[s:e], weight), targets[s:e], with_entropy)
+            lse[s:e], logp[s:e] = c_lse, c_logp
+            if c_ent is not None:
+                ent[s:e] = c_ent
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # the weight's gradient sums over every chunk: accumulate in float32 whatever the compute dtype
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(hidden.shape[0], s + ctx.chunk)
+            h = hidden[s:e]
+            # d logp_t / d logits = onehot(target) - softmax(logits)
+            g = torch.exp(_head_logits(h, weight) - lse[s:e, None]).mul_(-grad_logp[s:e, None])
+            g.scatter_add_(-1, targets[s:e, None], grad_logp[s:e, None])
+            g = g.to(hidden.dtype)
+            if grad_h is not None:
+                grad_h[s:e] = g @ weight
+            if grad_w is not None:
+                grad_w.add_(_mm_f32(g.t(), h))
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` under ``softmax(hidden @ weight.T)``, without the ``[N, V]`` float32 logits.
+
+    ``hidden [N, H]`` (the last hidden states of the scored positions), ``weight [V, H]`` (the output
+    embedding), ``targets [N]``. Rows are processed ``chunk_tokens`` at a time: one matmul in the compute
+    dtype with float32 results, then log-sum-exp, gather and (with ``with_entropy``) the entropy of the
+    same chunk; at most one chunk of logits is alive. Backward recomputes each chunk's logits and returns
+    gradients to ``hidden`` and ``weight`` (a tied input embedding gets its share through autograd).
+    ``chunk_tokens <= 0`` computes all rows at once (the reference: :func:`token_logprobs` of the full
+    logits). Returns float32 ``(logprobs [N], entropy [N] or None)``; the entropy carries no gradient.
+    """
+    if chunk_tokens <= 0:
+        logits = _head_logits(hidden, weight)
+        ent = entropy_from_logits(logits).detach() if with_entropy else None
+        return token_logprobs(logits, targets), ent
+    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets.long(), int(chunk_tokens), with_entropy)
+    return logp, (ent if with_entropy else None)

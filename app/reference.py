@@ -4,8 +4,9 @@ With `algorithm.kl_coef > 0` and `ref.workers > 0`, the frozen initial policy li
 actors holding the HF model, CPU or GPU per `ref.worker_gpus`): the rollouter sends every finished group
 there, in the pipeline, and the group reaches the trainer with `Sample.ref_logprobs` filled in. The trainer
 then keeps no reference copy and runs no reference forward pass. The computation is the trainer's own
-(`collate` + `response_logprobs` on the same model, dtype and padding), so the numbers agree with what a
-trainer-side reference would compute.
+(`collate` + `scored_logprobs`: chunked log-probs from the last hidden states and the output embedding, no
+[tokens x vocab] float32 logits), so the numbers agree with what a trainer-side reference would compute
+(up to attention kernels: the reference pads a group's completions, the trainer may pack them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ log = logging.getLogger(__name__)
 class RefWorker:
     """The frozen initial policy; `logprobs(prompt_ids, completions)` -> per-token log-probs of each."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", use_gpu: bool = False) -> None:
+    def __init__(
+        self, model_path: str, dtype: str = "float32", use_gpu: bool = False, chunk_tokens: int = 1024
+    ) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -33,11 +36,12 @@ class RefWorker:
             p.requires_grad_(False)
         hf = AutoConfig.from_pretrained(model_path)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
+        self.chunk_tokens = chunk_tokens  # train.logprob_chunk_tokens
 
     def logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
         import torch
 
-        from app.train_loop import Row, collate, response_logprobs
+        from app.train_loop import Row, collate, row_values, scored_logprobs
 
         out: list[list[float]] = [[] for _ in completions]
         idx = [i for i, c in enumerate(completions) if c]
@@ -46,10 +50,9 @@ class RefWorker:
         rows = [Row(prompt_ids, completions[i], [0.0] * len(completions[i]), 0.0, []) for i in idx]
         mb = collate(rows, self.pad_id, self.device)
         with torch.no_grad():
-            logp, _ = response_logprobs(self.model, mb)
-        p = len(prompt_ids)
-        for j, i in enumerate(idx):
-            out[i] = logp[j, p - 1 : p - 1 + len(completions[i])].tolist()
+            logp, _ = scored_logprobs(self.model, mb, self.chunk_tokens)
+        for j, (i, row) in enumerate(zip(idx, rows, strict=True)):
+            out[i] = row_values(mb, logp, j, row)
         return out
 
 
@@ -71,7 +74,7 @@ class RefPool:
                 runtime_env={"env_vars": role_env(r.worker_gpus)},  # a CPU reference sees no GPU
                 max_restarts=-1,
                 max_task_retries=2,  # a pure function of its inputs: safe to retry on a restarted worker
-            ).remote(model_path, cfg.model.dtype, r.worker_gpus > 0)
+            ).remote(model_path, cfg.model.dtype, r.worker_gpus > 0, cfg.train.logprob_chunk_tokens)
             for i in range(r.workers)
         ]
         self.busy = [0] * len(self.workers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from app import grpo
 from app.losses import LOSSES, LossInputs
+from app.packing import collate_packed, packed_model_kwargs, plan_micro_batches, to_device
 from app.records import Batch, Group
 
 log = logging.getLogger(__name__)
@@ -27,23 +29,38 @@ log = logging.getLogger(__name__)
 
 
 def build_fsdp_model(
-    path: str, dtype: str, device: torch.device, activation_checkpointing: bool = False, train: bool = True
+    path: str,
+    dtype: str,
+    device: torch.device,
+    activation_checkpointing: bool = False,
+    train: bool = True,
+    *,
+    packed: bool = False,
+    reshard_after_forward: bool = True,
+    reduce_dtype: str = "float32",
 ) -> torch.nn.Module:
     """Load an HF causal LM and shard it with FSDP2: one `fully_shard` per decoder layer, then the root.
 
     Parameters are kept in float32; with `dtype=bfloat16` compute runs in bf16 and gradients are reduced in
-    float32.
+    `reduce_dtype`. `packed` routes attention through app/packing.py (packed micro-batches). The model gets
+    a `relay_scored_logprobs` method (see `scored_logprobs`), registered as an FSDP2 forward method so that
+    the root's parameters (embedding, final norm, output embedding) are gathered while it runs.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if packed:
+        from app.packing import enable_packed_attention
+
+        enable_packed_attention(model)
     if activation_checkpointing and train:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    model.relay_scored_logprobs = types.MethodType(_scored_forward, model)
     mp = None
     if dtype == "bfloat16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))
     kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
     if dist.is_initialized():
         from torch.distributed.device_mesh import init_device_mesh
@@ -51,8 +68,9 @@ def build_fsdp_model(
         # the mesh on the configured device type: FSDP2's default mesh is CUDA whenever a GPU is visible
         kw["mesh"] = init_device_mesh(device.type, (dist.get_world_size(),))
         for layer in _decoder_layers(model):
-            fully_shard(layer, **kw)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
         fully_shard(model, **kw)
+        register_fsdp_forward_method(model, "relay_scored_logprobs")
     if not train:
         model.eval()
         for p in model.parameters():
@@ -100,7 +118,12 @@ def flatten_batch(batch: Batch, normalize_std: bool) -> list[Row]:
 
 
 def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded input ids plus response-aligned targets: position t predicts token t+1."""
+    """Right-padded input ids plus response-aligned targets: position t predicts token t+1.
+
+    Grids (`targets`, `mask`, `old`, `adv`, `ref`) are ``[B, W-1]``; `score_idx`, `score_targets` and
+    `grid_idx` list the response positions for `scored_logprobs` (flat indices into the ``[B, W]`` hidden
+    states and into the grid).
+    """
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
     b = len(rows)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -123,17 +146,71 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, tor
         adv[i, sl] = r.advantage
         if has_ref:
             ref[i, sl] = torch.tensor(r.ref_logprobs, dtype=torch.float32)
+    grid_idx = mask.flatten().nonzero().squeeze(1)  # b * (W-1) + t, on the host
     out = dict(input_ids=ids, attention_mask=attn, targets=targets, mask=mask, old=old, adv=adv)
+    out.update(score_idx=grid_idx + grid_idx // (width - 1), score_targets=targets.flatten()[grid_idx])
+    out["grid_idx"] = grid_idx
     if has_ref:
         out["ref"] = ref
-    return {k: v.to(device) for k, v in out.items()}
+    return to_device(out, device)
 
 
 def response_logprobs(
     model: torch.nn.Module, mb: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference path: full float32 logits of a padded micro-batch, then `grpo.token_logprobs`."""
     logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
     return grpo.token_logprobs(logits, mb["targets"]), logits
+
+
+def _scored_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    score_idx: torch.Tensor,
+    score_targets: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool,
+    **model_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Base model forward, then the output head on the scored positions only, chunked (no full logits).
+
+    Bound to the model as `relay_scored_logprobs` (an FSDP2 forward method: the output embedding, tied or
+    not, is gathered while it runs and its gradient reduced like any other).
+    """
+    hidden = model.base_model(input_ids=input_ids, **model_kwargs).last_hidden_state
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_idx)
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("chunked log-probs assume an output embedding without bias")
+    return grpo.chunked_token_logprobs(h, head.weight, score_targets, chunk_tokens, with_entropy)
+
+
+def scored_logprobs(
+    model: torch.nn.Module, mb: dict[str, Any], chunk_tokens: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token log-probs (and entropy) of a micro-batch's response tokens, laid out on its grid (`mb["mask"]`'s
+    shape; 0 elsewhere). Works on padded (`collate`) and packed (`app.packing.collate_packed`) micro-batches,
+    on FSDP2 models from `build_fsdp_model` and on plain HF models."""
+    kw = packed_model_kwargs(mb) if "packed" in mb else {"attention_mask": mb["attention_mask"]}
+    fwd = getattr(model, "relay_scored_logprobs", None) or types.MethodType(_scored_forward, model)
+    logp, ent = fwd(mb["input_ids"], mb["score_idx"], mb["score_targets"], chunk_tokens, with_entropy, **kw)
+    mask = mb["mask"]
+
+    def grid(v: torch.Tensor) -> torch.Tensor:
+        return (
+            torch.zeros(mask.numel(), dtype=v.dtype, device=v.device)
+            .index_copy(0, mb["grid_idx"], v)
+            .view_as(mask)
+        )
+
+    return grid(logp), (grid(ent) if ent is not None else None)
+
+
+def row_values(mb: dict[str, Any], grid: torch.Tensor, i: int, row: Row) -> list[float]:
+    """Row `i`'s response values (one per response token) from a grid of `collate` or `collate_packed`."""
+    n = len(row.response_ids)
+    start = 0 if "packed" in mb else len(row.prompt_ids) - 1
+    return grid[i, start : start + n].tolist()
 
 
 # ---------------------------------------------------------------- the learner
@@ -150,10 +227,18 @@ class Learner:
         t = cfg.train
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.model = build_fsdp_model(model_path, cfg.model.dtype, device, t.activation_checkpointing)
+        self.packed = t.micro_batch_tokens > 0
+        # the old path (padded, full logits) stays as it was, for comparison
+        self.reference_path = not self.packed and t.logprob_chunk_tokens == 0
+        build = dict(
+            packed=self.packed, reshard_after_forward=t.reshard_after_forward, reduce_dtype=t.reduce_dtype
+        )
+        self.model = build_fsdp_model(
+            model_path, cfg.model.dtype, device, t.activation_checkpointing, **build
+        )
         self.ref = None
         if cfg.algorithm.kl_coef > 0 and cfg.ref.workers == 0:  # else the reference workers send them
-            self.ref = build_fsdp_model(model_path, cfg.model.dtype, device, train=False)
+            self.ref = build_fsdp_model(model_path, cfg.model.dtype, device, train=False, **build)
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
         )
@@ -168,32 +253,70 @@ class Learner:
         self.loss_fn = LOSSES[cfg.algorithm.correction]
 
     def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch` (collective: every rank calls it with the same batch)."""
+        """One optimizer step on `batch` (collective: every rank calls it with the same batch).
+
+        Every rank runs the same number of forward/backward passes (FSDP2 collectives): a rank with fewer
+        micro-batches runs zero-weight passes on a copy of one row. Micro-batches are laid out and copied to
+        the device up front; metric sums stay on the device until the step ends (no host synchronisation
+        inside the micro-batch loop).
+        """
         rows = flatten_batch(batch, self.cfg.algorithm.normalize_adv_std)
         total_tokens = float(sum(len(r.response_ids) for r in rows))
-        mine = rows[self.rank :: self.world]
-        mbs = self.cfg.train.micro_batch_size
-        # every rank runs the same number of forward/backward passes (FSDP2 collectives); a rank with fewer
-        # rows runs a zero-weight pass on a copy of a row
-        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world) / mbs))
+        parts, n_micro = self._plan(rows)
+        mbs = [self.collate(p) for p in parts]
+        if len(mbs) < n_micro:
+            pool = [r for p in parts for r in p] or rows
+            filler = self.collate([min(pool, key=lambda r: len(r.prompt_ids) + len(r.response_ids))])
         self.model.train()
-        sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64)  # the sums below, then the is-weight max
+        sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64, device=self.device)  # _SUMS, is-weight max
         for k in range(n_micro):
-            part = mine[k * mbs : (k + 1) * mbs]
-            weight = 1.0
-            if not part:
-                part, weight = (mine or rows)[:1], 0.0
-            got = self._micro_step(part, weight, total_tokens, float(len(rows)))
+            mb, weight = (mbs[k], 1.0) if k < len(mbs) else (filler, 0.0)
+            got = self._micro_step(mb, weight, total_tokens, float(len(rows)))
             sums[:-1] += got[:-1]
-            sums[-1] = max(sums[-1], got[-1])
+            sums[-1] = torch.maximum(sums[-1], got[-1])
         grad_norm = self._optimizer_step()
         return self._step_metrics(self._reduce(sums), grad_norm, total_tokens)
 
-    def _micro_step(self, part: list[Row], weight: float, num_tokens: float, num_seqs: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its metric sums (see _SUMS) and is-weight max."""
+    def _plan(self, rows: list[Row]) -> tuple[list[list[Row]], int]:
+        """This rank's micro-batches and the number of passes every rank runs."""
+        t = self.cfg.train
+        if self.packed:
+            lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
+            plan = plan_micro_batches(lengths, self.world, t.micro_batch_tokens)
+            n_micro = max(1, max(len(p) for p in plan))
+            return [[rows[i] for i in mb] for mb in plan[self.rank]], n_micro
+        mine, mbs = rows[self.rank :: self.world], t.micro_batch_size
+        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world) / mbs))
+        return [
+            mine[k * mbs : (k + 1) * mbs] for k in range(n_micro) if mine[k * mbs : (k + 1) * mbs]
+        ], n_micro
+
+    def collate(self, rows: list[Row]) -> dict[str, Any]:
+        """A micro-batch on the device: packed (`train.micro_batch_tokens > 0`) or padded."""
+        if self.packed:
+            return collate_packed(rows, self.device, self.cfg.train.packed_attention)
+        return collate(rows, self.pad_id, self.device)
+
+    def logprobs(
+        self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token log-probs (and entropy, without gradient) on the micro-batch's grid."""
+        if not self.reference_path:
+            return scored_logprobs(model, mb, self.cfg.train.logprob_chunk_tokens, with_entropy)
+        logp, logits = response_logprobs(model, mb)
+        ent = None
+        if with_entropy:
+            with torch.no_grad():
+                ent = grpo.entropy_from_logits(logits)
+        return logp, ent
+
+    def _micro_step(
+        self, mb: dict[str, Any], weight: float, num_tokens: float, num_seqs: float
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch; returns its metric sums (see _SUMS) and is-weight max,
+        as a device tensor."""
         a = self.cfg.algorithm
-        mb = collate(part, self.pad_id, self.device)
-        logp, logits = response_logprobs(self.model, mb)
+        logp, ent = self.logprobs(self.model, mb, with_entropy=self.cfg.train.log_entropy)
         out = self.loss_fn(
             LossInputs(logprobs=logp, behaviour_logprobs=mb["old"], advantages=mb["adv"], mask=mb["mask"]), a
         )
@@ -211,17 +334,17 @@ class Learner:
         (loss * self.world * weight).backward()
         with torch.no_grad():
             m = mb["mask"] * weight
-            ent = grpo.entropy_from_logits(logits)
+            ent = torch.zeros_like(m) if ent is None else ent
             per_tok = (out.loss_tok, kl_tok, ent, out.clipped.float(), torch.ones_like(m))
             per_tok += ((logp - mb["old"]).abs(), out.is_weight)
-            vals = [float((x * m).sum()) for x in per_tok]
-            w_max = float(out.is_weight[m > 0].max()) if float(m.sum()) > 0 else 0.0
-        return torch.tensor([*vals, w_max], dtype=torch.float64)
+            vals = torch.stack([(x * m).sum() for x in per_tok])
+            w_max = torch.where(m > 0, out.is_weight, torch.zeros_like(m)).max()  # weights are >= 0
+            return torch.cat([vals, w_max[None]]).double()
 
-    def _ref_logprobs(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _ref_logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
         if self.ref is not None:
             with torch.no_grad():
-                return response_logprobs(self.ref, mb)[0]
+                return self.logprobs(self.ref, mb)[0]
         if "ref" in mb:
             return mb["ref"]
         raise RuntimeError(
@@ -242,14 +365,13 @@ class Learner:
         return grad_norm
 
     def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        """Sums over ranks; the last entry (is-weight max) is a max."""
-        if not dist.is_initialized():
-            return sums
-        red = sums[:-1].clone().to(self.device)
-        dist.all_reduce(red)
-        mx = sums[-1:].clone().to(self.device)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        return torch.cat([red.cpu(), mx.cpu()])
+        """Sums over ranks (the last entry, the is-weight max, is a max), read back to the host once."""
+        if dist.is_initialized():
+            red, mx = sums[:-1].clone(), sums[-1:].clone()
+            dist.all_reduce(red)
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            sums = torch.cat([red, mx])
+        return sums.cpu()
 
     def _step_metrics(self, sums: torch.Tensor, grad_norm: float, total_tokens: float) -> dict[str, float]:
         s = dict(zip(_SUMS, sums.tolist(), strict=False))
@@ -291,12 +413,11 @@ class Learner:
     def logprobs_of(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """The trainer's log-probs for a fixed completion (collective: call on every rank)."""
         row = Row(prompt_ids, completion_ids, [0.0] * len(completion_ids), 0.0, [])
-        mb = collate([row], self.pad_id, self.device)
+        mb = self.collate([row])
         self.model.eval()
         with torch.no_grad():
-            logp, _ = response_logprobs(self.model, mb)
-        p = len(prompt_ids)
-        return logp[0, p - 1 : p - 1 + len(completion_ids)].tolist()
+            logp, _ = self.logprobs(self.model, mb)
+        return row_values(mb, logp, 0, row)
 
     def save_hf(self, path: str, tokenizer_path: str) -> None:
         """Full HF checkpoint (model + tokenizer) that vLLM can load; collective, rank 0 writes."""

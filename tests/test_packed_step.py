@@ -1,0 +1,288 @@
+"""Issue 15's equivalence: chunked log-probs and packed micro-batches against the reference step.
+
+The reference step is the padded one with full float32 logits (`train.micro_batch_tokens=0`,
+`train.logprob_chunk_tokens=0`); on CPU in float32 the packed, chunked step must give the same loss, metrics
+and gradients to 1e-5, in every loss aggregation mode, with an in-trainer reference (KL) and under FSDP2.
+"""
+
+import math
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from app import grpo
+from app.config import load_config
+from app.packing import collate_packed, plan_micro_batches
+from app.records import Batch, Group, Sample
+from app.train_loop import Learner, Row, collate, response_logprobs, row_values, scored_logprobs
+
+VOCAB = 40
+
+
+# ---------------------------------------------------------------- chunked log-probs
+
+
+def test_chunked_logprobs_hand_values():
+    # hidden rows pick weight columns: logits of row i are weight[:, i]
+    weight = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, -1.0]])  # V=4, H=2
+    hidden = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    targets = torch.tensor([2, 0, 3])
+    # row 0: logits all 0 -> log(1/4); rows 1, 2: logits [1, 0, 0, -1]
+    z = math.e + 2 + math.exp(-1)
+    want = [math.log(0.25), 1 - math.log(z), -1 - math.log(z)]
+    p = [math.e / z, 1 / z, 1 / z, math.exp(-1) / z]
+    ent1 = -sum(q * math.log(q) for q in p)
+    for chunk in (0, 1, 2, 5):
+        logp, ent = grpo.chunked_token_logprobs(hidden, weight, targets, chunk, with_entropy=True)
+        assert logp.tolist() == pytest.approx(want, abs=1e-6)
+        assert ent.tolist() == pytest.approx([math.log(4), ent1, ent1], abs=1e-6)
+    assert grpo.chunked_token_logprobs(hidden, weight, targets, 2)[1] is None
+
+
+def test_chunked_matches_full_logprobs_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(23, 8, generator=g, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (23,), generator=g)
+    coef = torch.randn(23, generator=g)
+    full = grpo.token_logprobs(hidden @ weight.t(), targets)
+    want = torch.autograd.grad((full * coef).sum(), (hidden, weight))
+    for chunk in (1, 5, 23, 100):
+        logp, ent = grpo.chunked_token_logprobs(hidden, weight, targets, chunk, with_entropy=True)
+        torch.testing.assert_close(logp, full, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, grpo.entropy_from_logits(hidden @ weight.t()), atol=1e-5, rtol=0)
+        got = torch.autograd.grad((logp * coef).sum(), (hidden, weight))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_tied_embedding_gradient():
+    """The output embedding is the input embedding: both uses of the matrix reach its gradient."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (11,), generator=g)
+    targets = torch.randint(0, VOCAB, (11,), generator=g)
+    grads = []
+    for chunk in (0, 4):
+        emb = torch.nn.Embedding(VOCAB, 6)
+        emb.weight.data = torch.randn(VOCAB, 6, generator=torch.Generator().manual_seed(2))
+        hidden = torch.tanh(emb(ids))
+        logp, _ = grpo.chunked_token_logprobs(hidden, emb.weight, targets, chunk)
+        logp.sum().backward()
+        grads.append(emb.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=0)
+    assert grads[0][targets].abs().sum() > 0
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_plan_micro_batches_balances_and_respects_the_budget():
+    lengths = [9, 3, 7, 2, 5, 30, 4]
+    plan = plan_micro_batches(lengths, world=2, budget=10)
+    flat = sorted(i for rank in plan for mb in rank for i in mb)
+    assert flat == list(range(len(lengths)))
+    for rank in plan:
+        for mb in rank:
+            assert sum(lengths[i] for i in mb) <= 10 or len(mb) == 1  # 30 tokens: a pass of its own
+    assert [30] in [[lengths[i] for i in mb] for rank in plan for mb in rank]
+    loads = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
+    assert max(loads) - min(loads) <= 30
+    assert plan_micro_batches(lengths, 1, 100) == [[list(range(7))]]
+
+
+def test_collate_packed_layout():
+    rows = [Row([5, 6], [7, 8, 9], [-0.1, -0.2, -0.3], 0.5, []), Row([4], [3], [-1.0], -0.5, [])]
+    mb = collate_packed(rows, torch.device("cpu"))
+    assert mb["input_ids"].tolist() == [[5, 6, 7, 8, 9, 4, 3]]
+    assert mb["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert mb["packed"].cu_host == [0, 5, 7] and mb["packed"].cu.tolist() == [0, 5, 7]
+    assert mb["packed"].max_len == 5
+    # hidden position 1 (token 6) predicts 7, ... position 5 (token 4) predicts 3
+    assert mb["score_idx"].tolist() == [1, 2, 3, 5]
+    assert mb["score_targets"].tolist() == [7, 8, 9, 3]
+    assert mb["mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert mb["grid_idx"].tolist() == [0, 1, 2, 3]
+    assert mb["old"][0].tolist() == pytest.approx([-0.1, -0.2, -0.3]) and mb["adv"][1, 0].item() == -0.5
+    padded = collate(rows, pad_id=0, device=torch.device("cpu"))
+    assert padded["score_idx"].tolist() == [1, 2, 3, 5] and padded["grid_idx"].tolist() == [1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- a model
+
+
+def _model_dir(tmp_path, tied: bool = True) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    path = tmp_path / ("tied" if tied else "untied")
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _rows() -> list[Row]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, (p, n) in enumerate([(3, 5), (3, 2), (6, 7), (2, 1), (4, 9), (5, 3)]):
+        prompt = torch.randint(2, VOCAB, (p,), generator=g).tolist()
+        resp = torch.randint(2, VOCAB, (n,), generator=g).tolist()
+        lps = (-torch.rand(n, generator=g) * 4).tolist()
+        out.append(Row(prompt, resp, lps, (-1.0) ** i * (0.5 + 0.1 * i), [0] * n))
+    return out
+
+
+def test_packed_forward_matches_padded(tmp_path):
+    from app.train_loop import build_fsdp_model
+
+    path = _model_dir(tmp_path)
+    rows = _rows()
+    plain = build_fsdp_model(path, "float32", torch.device("cpu"), train=False)
+    packed = build_fsdp_model(path, "float32", torch.device("cpu"), train=False, packed=True)
+    with torch.no_grad():
+        ref, logits = response_logprobs(plain, collate(rows, 0, torch.device("cpu")))
+        mb = collate_packed(rows, torch.device("cpu"), mode="per_seq")
+        got, ent = scored_logprobs(packed, mb, chunk_tokens=4, with_entropy=True)
+        pmb = collate(rows, 0, torch.device("cpu"))
+        chunked_padded, _ = scored_logprobs(plain, pmb, chunk_tokens=4)
+    ref_ent = grpo.entropy_from_logits(logits)
+    for i, r in enumerate(rows):
+        want = row_values(pmb, ref, i, r)
+        assert row_values(mb, got, i, r) == pytest.approx(want, abs=1e-5)
+        assert row_values(pmb, chunked_padded, i, r) == pytest.approx(want, abs=1e-5)
+        assert row_values(mb, ent, i, r) == pytest.approx(row_values(pmb, ref_ent, i, r), abs=1e-5)
+
+
+# ---------------------------------------------------------------- the step
+
+VARIANTS = {
+    "padded_full": ["train.micro_batch_tokens=0", "train.logprob_chunk_tokens=0", "train.micro_batch_size=4"],
+    "padded_chunked": [
+        "train.micro_batch_tokens=0",
+        "train.logprob_chunk_tokens=3",
+        "train.micro_batch_size=4",
+    ],
+    # a budget of 20 tokens: several micro-batches of several sequences each
+    "packed_chunked": ["train.micro_batch_tokens=20", "train.logprob_chunk_tokens=3"],
+    "packed_full": ["train.micro_batch_tokens=20", "train.logprob_chunk_tokens=0"],
+}
+
+
+def _batch() -> Batch:
+    rows = _rows()
+    groups = []
+    for gi in range(0, len(rows), 3):
+        samples = [
+            Sample(
+                token_ids=r.response_ids,
+                logprobs=r.behaviour_logprobs,
+                versions=r.versions,
+                finish_reason="stop",
+                reward=float((gi + k) % 2 + 0.25 * k),
+            )
+            for k, r in enumerate(rows[gi : gi + 3])
+        ]
+        groups.append(Group(uid=f"g{gi}", prompt_ids=rows[gi].prompt_ids, answer="", samples=samples))
+    return Batch(groups=groups)
+
+
+def step_with_grads(learner: Learner, batch: Batch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """One step; the gradients as the optimizer saw them (full tensors under FSDP2)."""
+    grads: dict[str, torch.Tensor] = {}
+    inner = learner._optimizer_step
+
+    def capture() -> float:
+        for n, p in learner.model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[n.replace("_fsdp_wrapped_module.", "")] = g.detach().clone()
+        return inner()
+
+    learner._optimizer_step = capture
+    return learner.step(batch), grads
+
+
+@pytest.mark.parametrize(
+    "extra", [["algorithm.loss_agg=token_mean"], ["algorithm.loss_agg=seq_mean", "algorithm.kl_coef=0.1"]]
+)
+def test_step_equivalence(tmp_path, extra):
+    path = _model_dir(tmp_path)
+    out = {}
+    for name, keys in VARIANTS.items():
+        torch.manual_seed(0)
+        cfg = load_config(None, ["train.lr=0.01", "algorithm.correction=tis", *keys, *extra])
+        out[name] = step_with_grads(Learner(cfg, path, torch.device("cpu")), _batch())
+    ref_m, ref_g = out["padded_full"]
+    assert ref_m["loss/policy"] != 0 and ref_m["actor/grad_norm"] > 0
+    for name, (m, g) in out.items():
+        for k, v in ref_m.items():
+            assert m[k] == pytest.approx(v, abs=1e-5), (name, k)
+        assert g.keys() == ref_g.keys()
+        for k, v in ref_g.items():
+            torch.testing.assert_close(g[k], v, atol=1e-5, rtol=0, msg=lambda s, k=k, n=name: f"{n} {k}: {s}")
+
+
+def _fsdp_one_rank(port: int, path: str, keys: list[str], q) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        learner = Learner(load_config(None, keys), path, torch.device("cpu"))
+        m, g = step_with_grads(learner, _batch())
+        lp = learner.logprobs_of([3, 4, 5], [6, 7])
+        q.put((m, {k: v.tolist() for k, v in g.items()}, lp))
+    except BaseException as e:
+        q.put(repr(e))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path):
+    """Under FSDP2 (gloo, one rank) the packed, chunked step gathers the tied output embedding inside its
+    forward method and gives the reference step's loss and gradients."""
+    from app.sync import free_port
+
+    path = _model_dir(tmp_path)
+    common = ["train.lr=0.01", "algorithm.loss_agg=seq_mean", "algorithm.kl_coef=0.1"]
+    torch.manual_seed(0)
+    ref = Learner(load_config(None, [*common, *VARIANTS["padded_full"]]), path, torch.device("cpu"))
+    ref_m, ref_g = step_with_grads(ref, _batch())
+    ref_lp = ref.logprobs_of([3, 4, 5], [6, 7])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(
+        target=_fsdp_one_rank, args=(free_port(), path, [*common, *VARIANTS["packed_chunked"]], q)
+    )
+    proc.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert not isinstance(got, str), got
+    m, g, lp = got
+    for k, v in ref_m.items():
+        assert m[k] == pytest.approx(v, abs=1e-5), k
+    assert g.keys() == ref_g.keys() and "model.embed_tokens.weight" in g
+    for k, v in ref_g.items():
+        torch.testing.assert_close(torch.tensor(g[k]), v, atol=1e-5, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
+    assert lp == pytest.approx(ref_lp, abs=1e-5)
