@@ -219,6 +219,9 @@ class RolloutConfig(_Section):
     GPU share (`replica_gpus` under 1, e.g. 0.4), or 0.9 for a whole GPU."""
     max_num_seqs: int = 256
     """Maximum sequences a replica batches at once."""
+    cuda_graphs: bool = False
+    """GPU replicas: capture CUDA graphs for decoding (shorter steps, so more tokens/s and a shorter pause
+    before each weight load; costs start-up time and some memory). Off: eager mode. Ignored on CPU."""
     request_timeout_s: float = 120.0
     """Deadline for one generation request."""
 
@@ -276,7 +279,27 @@ class TrainConfig(_Section):
     batch_groups: int = 16
     """Prompt groups per optimizer step (each of `rollout.n` samples)."""
     micro_batch_size: int = 64
-    """Sequences per forward/backward on one worker."""
+    """Sequences per forward/backward on one worker, right-padded to the longest (with
+    `micro_batch_tokens=0`)."""
+    micro_batch_tokens: int = 8192
+    """Tokens per packed micro-batch: sequences are concatenated without padding (each attends only to
+    itself) and packed into forward/backward passes of at most this many tokens (a longer sequence gets a
+    pass of its own); `micro_batch_size` is then unused. 0: padded micro-batches of `micro_batch_size`."""
+    logprob_chunk_tokens: int = 1024
+    """Token log-probs (and entropy) are computed from the last hidden states and the output embedding this
+    many tokens at a time, recomputed in the backward pass, so no [tokens x vocab] float32 logits are held.
+    0: the full logits of the micro-batch at once (the reference path)."""
+    log_entropy: bool = True
+    """Compute `actor/entropy` (one more pass over each chunk of logits)."""
+    packed_attention: Literal["auto", "varlen", "per_seq"] = "auto"
+    """Attention of packed micro-batches: `varlen` (FlashAttention's variable-length kernel through
+    torch.nn.attention.varlen; CUDA, bf16), `per_seq` (one causal sdpa call per sequence; any device), `auto`
+    (varlen where it applies, else per_seq)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free each decoder layer's gathered parameters after its forward (and gather again for the
+    backward); false keeps them, trading memory for one all-gather per layer and step."""
+    reduce_dtype: Dtype = "float32"
+    """FSDP2 gradient reduction dtype with model.dtype=bfloat16 (`bfloat16` halves the reduce-scatter)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -319,6 +342,8 @@ class TrainConfig(_Section):
         "worker_gpus": rng("(0, 1]", "a worker is one FSDP2 rank on one GPU, or a share of one"),
         "batch_groups": rng(">= 1"),
         "micro_batch_size": rng(">= 1"),
+        "micro_batch_tokens": rng(">= 0", "0: padded micro-batches of micro_batch_size sequences"),
+        "logprob_chunk_tokens": rng(">= 0", "0: full logits at once"),
         "lr": rng("> 0"),
         "weight_decay": rng(">= 0", "negative decay pushes weights away from zero"),
         "grad_clip": rng("> 0", "0 zeroes every gradient and a negative threshold flips it: gradient ascent"),
@@ -510,6 +535,13 @@ class ResourcesConfig(_Section):
     """CPUs of the reward workers, split over reward.workers (sets reward.worker_cpus)."""
     ref_cpus: float = 0.0
     """CPUs of the reference workers, split over ref.workers (sets ref.worker_cpus)."""
+    rollout_custom: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each vLLM replica asks for besides its CPUs/GPUs, e.g. `{rollout: 1}`: replicas
+    then run only on nodes that have them (cluster.yaml's rollout nodes: `resources: {rollout: 8}`, or
+    `ray start --resources='{"rollout": 8}'`). Counted in the start-up check, per node."""
+    train_custom: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each Ray Train worker asks for besides its CPUs/GPUs, e.g. `{train: 1}`: the
+    trainer then runs only on nodes that have them. Counted in the start-up check, per node."""
 
     _RANGES: ClassVar[dict[str, Range]] = {
         name: _SHARE
@@ -523,6 +555,23 @@ class ResourcesConfig(_Section):
             "ref_cpus",
         )
     }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        for name in ("rollout_custom", "train_custom"):
+            for res, amount in getattr(self, name).items():
+                _check(
+                    f"{prefix}{name}",
+                    res not in ("CPU", "GPU", "memory", "object_store_memory"),
+                    f"{res!r} is not a custom resource: set CPUs and GPUs with rollout.replica_cpus/"
+                    "replica_gpus, train.worker_cpus/worker_gpus or the resources.*_cpus/*_gpus shares",
+                )
+                _check(
+                    f"{prefix}{name}",
+                    math.isfinite(amount) and amount > 0,
+                    f"{res}={amount!r}; each amount must be a positive number (e.g. {{{res}: 1}}, or 0.01 "
+                    "to pin many replicas or workers to one node holding 1)",
+                )
 
 
 @dataclass

@@ -173,7 +173,7 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
     wait forever or cannot work."""
     import ray
 
-    from app.resources import auto_transport, check_placement
+    from app.resources import auto_transport, check_nodes, check_placement
     from app.resources import check as check_resources
     from app.resources import resolve as resolve_resources
 
@@ -183,6 +183,7 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in shares.items()]))
         log.info("resources.* on this cluster: %s", shares)
     need = check_resources(cfg, cluster)  # refuse a plan that would wait forever
+    check_nodes(cfg, [n["Resources"] for n in ray.nodes() if n["Alive"]])  # and one pinned to nodes
     check_placement(cfg)  # refuse a placement that cannot work (a GPU vLLM build on CPU replicas)
     if cfg.sync.transport == "auto":  # CUDA IPC where trainer and replicas share the one GPU
         cfg = OmegaConf.merge(cfg, {"sync": {"transport": auto_transport(cfg, cluster)}})
@@ -271,7 +272,7 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.resources import role_env
+    from app.resources import custom, role_env
     from app.train_worker import train_worker
 
     t = cfg.train
@@ -288,7 +289,11 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
         scaling_config=ScalingConfig(
             num_workers=t.workers,
             use_gpu=t.use_gpu,
-            resources_per_worker={"CPU": t.worker_cpus, **({"GPU": t.worker_gpus} if t.use_gpu else {})},
+            resources_per_worker={
+                "CPU": t.worker_cpus,
+                **({"GPU": t.worker_gpus} if t.use_gpu else {}),
+                **custom(cfg, "train"),  # resources.train_custom: pinned to the nodes that have them
+            },
         ),
         torch_config=TorchConfig(
             backend=None if t.backend == "auto" else t.backend,

@@ -11,7 +11,9 @@ Roles and their settings:
 `resources.*` sets these per-role values from shares or counts of the cluster (`resolve`). Ray places every
 role by these logical requests; a plan that does not fit would leave some role pending
 forever (Ray waits for resources without a deadline), so the driver refuses it up front with a table of
-what each role asks and what the cluster has.
+what each role asks and what the cluster has (`check`), and, for a role pinned to nodes by custom resources
+(`resources.rollout_custom`, `resources.train_custom`: each replica or worker asks for them too), what the
+nodes that hold those resources have (`check_nodes`).
 
 Placement is explicit: a role given no GPU never sees one (`role_env`: Ray 2.60 leaves CUDA_VISIBLE_DEVICES
 alone for roles that asked for none, so vLLM or FSDP2 there would take the host's GPU 0), a CUDA vLLM build is
@@ -80,15 +82,33 @@ def resolve(cfg: Any, cluster: dict[str, float]) -> dict[str, Any]:
     return out
 
 
-def demands(cfg: Any) -> dict[str, dict[str, float]]:
-    """Logical CPUs and GPUs each role asks for (the most it may ask, at rollout.max_replicas)."""
+def custom(cfg: Any, role: str) -> dict[str, float]:
+    """The custom Ray resources one replica (`rollout`) or train worker (`train`) asks for (none: {})."""
+    return {str(k): float(v) for k, v in (getattr(cfg.resources, f"{role}_custom", None) or {}).items()}
+
+
+def _units(cfg: Any) -> dict[str, tuple[int, dict[str, float]]]:
+    """The roles that can be pinned to nodes: (how many replicas or workers, what one of them asks)."""
     r, t = cfg.rollout, cfg.train
-    out = {
-        "rollout": {"CPU": r.max_replicas * r.replica_cpus, "GPU": r.max_replicas * r.replica_gpus},
-        "train": {"CPU": t.workers * t.worker_cpus, "GPU": t.workers * t.worker_gpus if t.use_gpu else 0.0},
-        "reward": {"CPU": cfg.reward.workers * cfg.reward.worker_cpus, "GPU": 0.0},
-        "data": {"CPU": 0.25, "GPU": 0.0},
+    return {
+        "rollout": (r.max_replicas, {"CPU": r.replica_cpus, "GPU": r.replica_gpus, **custom(cfg, "rollout")}),
+        "train": (
+            t.workers,
+            {"CPU": t.worker_cpus, "GPU": t.worker_gpus if t.use_gpu else 0.0, **custom(cfg, "train")},
+        ),
     }
+
+
+def demands(cfg: Any) -> dict[str, dict[str, float]]:
+    """Logical CPUs, GPUs and custom resources each role asks for (the most it may ask, at
+    rollout.max_replicas)."""
+    out = {role: {k: n * v for k, v in unit.items()} for role, (n, unit) in _units(cfg).items()}
+    out.update(
+        {
+            "reward": {"CPU": cfg.reward.workers * cfg.reward.worker_cpus, "GPU": 0.0},
+            "data": {"CPU": 0.25, "GPU": 0.0},
+        }
+    )
     if cfg.algorithm.kl_coef > 0 and cfg.ref.workers > 0:
         out["reference"] = {
             "CPU": cfg.ref.workers * cfg.ref.worker_cpus,
@@ -98,23 +118,55 @@ def demands(cfg: Any) -> dict[str, dict[str, float]]:
 
 
 def check(cfg: Any, cluster: dict[str, float]) -> dict[str, dict[str, float]]:
-    """Raise ResourceError if the roles' total exceeds the cluster's CPUs or GPUs; returns the demands."""
+    """Raise ResourceError if the roles' total exceeds the cluster's CPUs, GPUs or custom resources; returns
+    the demands."""
     need = demands(cfg)
     problems = []
-    for kind in ("CPU", "GPU"):
-        total = sum(d[kind] for d in need.values())
+    kinds = list(dict.fromkeys(["CPU", "GPU", *(k for d in need.values() for k in d)]))
+    for kind in kinds:
+        total = sum(d.get(kind, 0.0) for d in need.values())
         have = float(cluster.get(kind, 0.0))
         if total > have + 1e-9:
-            shares = ", ".join(f"{role} {d[kind]:g}" for role, d in need.items() if d[kind])
+            shares = ", ".join(f"{role} {d[kind]:g}" for role, d in need.items() if d.get(kind))
             problems.append(f"{total:g} {kind} asked ({shares}) but the cluster has {have:g}")
     if problems:
         raise ResourceError(
             "the roles do not fit on this Ray cluster: "
             + "; ".join(problems)
             + ". Lower rollout.max_replicas / train.workers / reward.workers / ref.workers or their "
-            "*_cpus / *_gpus, or add nodes (a local cluster's size is ray.num_cpus)"
+            "*_cpus / *_gpus, or add nodes (a local cluster's size is ray.num_cpus; a custom resource of "
+            "resources.rollout_custom / train_custom comes from `ray start --resources` or cluster.yaml)"
         )
     return need
+
+
+def check_nodes(cfg: Any, nodes: list[dict[str, float]]) -> None:
+    """Raise ResourceError where a role pinned by custom resources cannot be placed on the nodes that hold
+    them: no such node holds one of its replicas or workers whole, or the roles pinned to the same nodes ask
+    for more CPUs or GPUs than those nodes have together. `nodes`: each live node's total resources."""
+    pinned: dict[tuple[int, ...], list[str]] = {}
+    units = _units(cfg)
+    for role, (_count, unit) in units.items():
+        if not custom(cfg, role):
+            continue
+        fits = [i for i, n in enumerate(nodes) if all(n.get(k, 0.0) + 1e-9 >= v for k, v in unit.items())]
+        if not fits:
+            raise ResourceError(
+                f"no node can hold one {role} {'replica' if role == 'rollout' else 'worker'} asking "
+                f"{unit} (resources.{role}_custom pins it to nodes with those resources; the nodes have "
+                f"{nodes}): start a node with `ray start --resources=...`, or lower the request"
+            )
+        pinned.setdefault(tuple(fits), []).append(role)
+    for where, roles in pinned.items():
+        for kind in ("CPU", "GPU"):
+            asked = sum(units[r][0] * units[r][1].get(kind, 0.0) for r in roles)
+            have = sum(nodes[i].get(kind, 0.0) for i in where)
+            if asked > have + 1e-9:
+                raise ResourceError(
+                    f"{' and '.join(roles)} pinned by custom resources ask for {asked:g} {kind}, but the "
+                    f"{len(where)} node(s) holding those resources have {have:g}: lower the role's replicas, "
+                    "workers or *_cpus / *_gpus, or add such nodes"
+                )
 
 
 def role_env(gpus: float) -> dict[str, str]:

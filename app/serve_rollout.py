@@ -8,7 +8,8 @@ of every token.
 
 Version-gated join: a replica started while a run is under way (autoscaling, or Serve replacing a dead one)
 registers, and its constructor waits until it has received and verified the current weights at the next
-version boundary (the trainer re-forms the group when membership changes). Serve routes no request to a
+version boundary (the trainer re-forms the group when membership changes), or at once where the trainer is
+waiting for a batch (it pushes to a replica waiting to join). Serve routes no request to a
 replica before its constructor returns, so its first rollout tokens carry the current version. A replica
 removed by downscaling leaves the group in its destructor, after finishing a push already announced to it.
 """
@@ -24,7 +25,7 @@ from ray import serve
 
 from app import ray_compat
 from app.records import GenerateRequest, GenerateResponse, Sample
-from app.resources import memory_share, role_env
+from app.resources import custom, memory_share, role_env
 from app.sync.actors import NAMESPACE
 from app.sync.control import control_name
 from app.sync.hub import hub_name
@@ -166,12 +167,14 @@ def build_app(cfg, model_path: str):
         gpu_memory_utilization=memory_share(r),
         seed=cfg.seed,
         use_gpu=use_gpu,
+        cuda_graphs=r.cuda_graphs,
     )
     opts: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": {
             "num_cpus": r.replica_cpus,
             "num_gpus": r.replica_gpus,
+            "resources": custom(cfg, "rollout"),  # resources.rollout_custom: only nodes that have them
             # a CPU replica is hidden from every GPU (a GPU build of vLLM is refused it: check_placement)
             "runtime_env": {"env_vars": {} if use_gpu else {**vla.cpu_env(r.kv_cache_gib), **role_env(0)}},
         },

@@ -208,3 +208,36 @@ def test_engines_with_native_spans_keep_no_book():
     assert vla._book(Native()) is None
     plain = SimpleNamespace()
     assert isinstance(vla._book(plain), vla._Book) and vla._book(plain) is vla._book(plain)
+
+
+def test_custom_resources_pin_roles_and_are_checked_per_node():
+    """resources.rollout_custom / train_custom (a two-node cluster: rollout on one node, training on the
+    other) are asked by each replica and train worker, counted in the start-up check, and checked against
+    the nodes that hold them."""
+    from app.resources import check_nodes, custom
+
+    cfg = load_config(
+        None,
+        [
+            "rollout.max_replicas=2",
+            "resources.rollout_custom={rollout_node: 0.01}",
+            "resources.train_custom={train_node: 0.5}",
+        ],
+    )
+    assert custom(cfg, "rollout") == {"rollout_node": 0.01} and custom(cfg, "train") == {"train_node": 0.5}
+    need = demands(cfg)
+    assert need["rollout"]["rollout_node"] == 0.02 and need["train"]["train_node"] == 1.0
+    cluster = {"CPU": 8, "rollout_node": 1, "train_node": 1}
+    check(cfg, cluster)
+    with pytest.raises(ResourceError, match=r"1 train_node asked \(train 1\) but the cluster has 0"):
+        check(cfg, {"CPU": 8, "rollout_node": 1})
+    rollout_node, train_node = {"CPU": 4, "rollout_node": 1}, {"CPU": 4, "train_node": 1}
+    check_nodes(cfg, [rollout_node, train_node])
+    with pytest.raises(ResourceError, match="train pinned by custom resources ask for 2 CPU"):
+        check_nodes(cfg, [rollout_node, {"CPU": 1, "train_node": 1}])  # its node has too few CPUs
+    with pytest.raises(ResourceError, match="no node can hold one rollout replica"):
+        check_nodes(cfg, [{"CPU": 0.5, "rollout_node": 1}, train_node])  # nor one replica's 1 CPU
+    check_nodes(load_config(None, []), [{"CPU": 1}])  # nothing pinned: the totals' check alone
+    for bad, why in (("{CPU: 1}", "not a custom resource"), ("{x: 0}", "positive number")):
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, [f"resources.train_custom={bad}"])

@@ -294,8 +294,9 @@ def test_hub_version_gated_join_and_clean_leave():
         assert hub.version == 0 and hub.members["r1"].join_s is not None
         # a second replica starts mid-run: it must hold version >= 0 before serving
         assert await hub.register("r2", 1, started_at=time.time() - 3.0) == 0
-        assert hub.membership_changed()
+        assert hub.membership_changed() and await hub.joiners() == ["r2"]  # the trainer pushes to it
         g2 = await hub.open_epoch("127.0.0.1", 2, "gloo", 5.0)
+        assert await hub.joiners() == []
         assert set(g2.ranks) == {"r1", "r2"}
         assert isinstance(await hub.next_instruction("r2", -1, -1, 0.1), Join)
         for r in ("r1", "r2"):
@@ -307,6 +308,11 @@ def test_hub_version_gated_join_and_clean_leave():
         assert acks.got["r2"].detail["join_s"] >= 3.0 and "join_s" not in acks.got["r1"].detail
         await hub.served("r2", 1)
         assert hub.members["r2"].first_served == {"version": 1, "hub_version": 1}
+        # what a replacement is checked against: the version current at its registration, its first push
+        r1, r2 = hub.members["r1"], hub.members["r2"]
+        assert (r1.registered_version, r1.admitted_version) == (-1, 0)
+        assert (r2.registered_version, r2.admitted_version) == (0, 1)
+        assert (await hub.status())["host"] == "127.0.0.1"  # the weight group's address: the trainer's node
         # r2 leaves while version 2 is announced to its epoch: it still receives 2, then is told to leave
         await hub.announce(_plan(2))
         await hub.leave("r2")

@@ -56,7 +56,14 @@ def test_trained_log_appends_and_truncates(tmp_path):
     log.append(2, 1, [_group("c", [[0, 1]], [1.0])])
     recs = log.records()
     assert [r["uid"] for r in recs] == ["a", "b", "c"]
-    assert recs[2] == {"uid": "c", "step": 2, "trained_at": 1, "min_version": 0, "max_version": 1}
+    assert recs[2] == {
+        "uid": "c",
+        "step": 2,
+        "trained_at": 1,
+        "min_version": 0,
+        "max_version": 1,
+        "replica_min_version": {"": 0},  # per replica (these samples name none), its oldest token's version
+    }
     assert log.truncate(1) == 1 and [r["uid"] for r in log.records()] == ["a", "b"]
     assert log.truncate(0) == 2 and log.records() == []
     assert TrainedLog(tmp_path / "none").truncate(3) == 0

@@ -53,7 +53,10 @@ class Member:
     join_s: float | None = None
     pushes: int = 0
     first_served: dict[str, int] | None = None  # versions when it served its first rollout request
-    left_at: float | None = None
+    node_ip: str = ""  # the Ray node it runs on
+    registered_version: int = -1  # the version current when it registered (what it must hold to serve)
+    admitted_version: int | None = None  # the version of its first acknowledged push (it serves from then)
+    left_at: float | None = None  # when it left, or was dropped
     dropped: str | None = None
 
 
@@ -87,19 +90,28 @@ class WeightHub:
 
     # ------------------------------------------------------------ membership
 
-    async def register(self, replica_id: str, workers: int = 1, started_at: float | None = None) -> int:
+    async def register(
+        self, replica_id: str, workers: int = 1, started_at: float | None = None, node_ip: str = ""
+    ) -> int:
         """A replica asks to join; it becomes a member at the next epoch (the next push re-forms the group).
 
         Returns the version the replica must hold before it may serve: -1 when nothing was pushed yet (the
         run is starting and the trainer's first push comes before any rollout), else the latest version.
         """
-        now = time.time()
+        now, need = time.time(), self.current_version()
+        first = self.members.get(replica_id)  # registered before (dropped since): it kept serving
         self.members[replica_id] = Member(
-            replica_id=replica_id, workers=workers, registered_at=now, started_at=started_at or now
+            replica_id=replica_id,
+            workers=workers,
+            registered_at=now,
+            started_at=started_at or now,
+            node_ip=node_ip,
+            registered_version=first.registered_version if first else need,
+            admitted_version=first.admitted_version if first else None,
         )
-        log.info("replica %s registered with %d worker(s)", replica_id, workers)
+        log.info("replica %s registered with %d worker(s) on node %s", replica_id, workers, node_ip or "?")
         await self._notify()
-        return self.current_version()
+        return need
 
     def current_version(self) -> int:
         return max(self.version, self.plan.version if self.plan is not None else -1)
@@ -124,6 +136,11 @@ class WeightHub:
             return bool(self.alive_ids())
         return set(self.group.ranks) != set(self.alive_ids())
 
+    async def joiners(self) -> list[str]:
+        """Live replicas outside the current epoch: they wait for a push to join (and, mid-run, to serve)."""
+        ranks = self.group.ranks if self.group else {}
+        return [rid for rid in self.alive_ids() if rid not in ranks]
+
     async def alive_count(self) -> int:
         return len(self.alive_ids())
 
@@ -136,7 +153,7 @@ class WeightHub:
         for rid in replica_ids:
             m = self.members.get(rid)
             if m is not None and m.alive:
-                m.alive, m.dropped = False, reason
+                m.alive, m.dropped, m.left_at = False, reason, time.time()
                 log.warning("replica %s dropped from the weight group: %s", rid, reason)
         await self._notify()
 
@@ -246,6 +263,8 @@ class WeightHub:
                 m.version = key
                 m.push_epoch = self.group.epoch if self.group else -1
                 m.pushes += 1
+                if m.admitted_version is None:
+                    m.admitted_version = key
                 if m.admitted_at is None:  # its first verified weights: admitted to serve
                     m.admitted_at = time.time()
                     m.join_s = m.admitted_at - m.started_at
@@ -264,6 +283,7 @@ class WeightHub:
             "version": self.version,
             "epoch": self.group.epoch if self.group else None,
             "group": sorted(self.group.ranks) if self.group else [],
+            "host": self.group.host if self.group else None,  # the trainer's node: the weight group's address
             "members": {rid: asdict(m) for rid, m in self.members.items()},
             "membership_changed": self.membership_changed(),
             "stop": ctl.get("stop"),

@@ -27,6 +27,13 @@ from app.vllm import engine as vla
 log = logging.getLogger("app.sync")
 
 
+def _node_ip() -> str:
+    """The Ray node this replica runs on ('' outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else ""
+
+
 class ReplicaSync:
     """The weight-group membership and run-control answers of one replica (`engine` is its AsyncLLM)."""
 
@@ -60,7 +67,7 @@ class ReplicaSync:
     async def start(self, join_timeout_s: float) -> None:
         """Register, start both loops, and return once this replica may serve (see the module docstring)."""
         await vla.set_version(self.engine, self.version)
-        need = await self.hub.register.remote(self.replica_id, self.workers, self.started)
+        need = await self.hub.register.remote(self.replica_id, self.workers, self.started, _node_ip())
         self.control = self._find_control()
         if self.control is not None:
             self.abort_seen = await self.control.abort_count.remote()
@@ -155,7 +162,7 @@ class ReplicaSync:
             if isinstance(instr, Leave):
                 return
             if isinstance(instr, Unknown):
-                await self.hub.register.remote(self.replica_id, self.workers, self.started)
+                await self.hub.register.remote(self.replica_id, self.workers, self.started, _node_ip())
             elif isinstance(instr, Join):
                 await self._join(instr)
             elif isinstance(instr, Push):

@@ -28,6 +28,9 @@ class TrainedLog:
                     "trained_at": trained_at,
                     "min_version": g.min_version,
                     "max_version": g.max_version,
+                    # per replica, the oldest version of the tokens it generated (a replacement replica
+                    # must have served only weights at least as new as those current when it joined)
+                    "replica_min_version": _replica_min_versions(g),
                 }
                 f.write(json.dumps(rec) + "\n")
 
@@ -39,3 +42,11 @@ class TrainedLog:
         if not self.path.exists():
             return []
         return [json.loads(x) for x in self.path.read_text().splitlines()]
+
+
+def _replica_min_versions(g: Group) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in g.samples:
+        if s.versions:
+            out[s.replica] = min(out.get(s.replica, s.versions[0]), *s.versions)
+    return out

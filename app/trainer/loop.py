@@ -31,7 +31,7 @@ def run(t: Trainer, st: RunState) -> None:
     for step in range(st.step + 1, steps + 1):  # 1-based: the step about to be trained
         t0 = time.perf_counter()
         t.monitor.phase(f"waiting for {t.cfg.train.batch_groups} finished groups for step {step}")
-        batch, st.stop = next_batch(t, st.version, more=step < steps)
+        batch, st.stop = next_batch(t, st, more=step < steps)
         if not batch.groups:
             log.info("stopping after %d steps: %s", st.step, st.stop)
             break
@@ -76,17 +76,55 @@ def begin(t: Trainer, st: RunState) -> None:
     st.t_run = st.t_loop_end = time.perf_counter()  # benchmarks: trained tokens per second of the loop
 
 
-def next_batch(t: Trainer, version: int, more: bool) -> tuple[Batch, str | None]:
-    """Rank 0's next batch and the reason to stop after it (if any), on every rank."""
+def next_batch(t: Trainer, st: RunState, more: bool) -> tuple[Batch, str | None]:
+    """Rank 0's next batch and the reason to stop after it (if any), on every rank.
+
+    While rank 0 waits for it (in a thread), every rank learns once a second whether a replica is waiting to
+    join the weight group, and then pushes it the current weights (collective). A replica started mid-run
+    serves only once it holds them, and the next push otherwise comes after the next step: where no other
+    replica is left to generate that step's groups (all died; their replacements are starting), nothing
+    else would ever push them, and the run would wait out its deadlines."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-batch") as pool:
+        fut = pool.submit(_fetch_batch, t, st.version, more) if t.lead else None
+        while (state := bcast(_wait_state(t, fut))) != "done":
+            if state == "join":
+                t.monitor.phase(f"pushing version {st.version} to a replica that joined")
+                t.sync.push(st.version)
+                if st.pushed != st.version:
+                    st.pushed = st.version
+                    if t.lead:
+                        t.source.on_push(st.version)
+        return bcast(fut.result() if fut is not None else None)
+
+
+def _fetch_batch(t: Trainer, version: int, more: bool) -> tuple[Batch, str | None]:
     import ray
 
-    batch, stop = None, None
-    if t.lead:
-        batch = t.source.next_batch(version, more)
-        stop = ray.get(t.actors.control.stop_reason.remote(), timeout=30)
-        if not batch.groups:
-            stop = "the training data is exhausted (data.epochs) and every group was trained"
-    return bcast((batch, stop))
+    batch = t.source.next_batch(version, more)
+    stop = ray.get(t.actors.control.stop_reason.remote(), timeout=30)
+    if not batch.groups:
+        stop = "the training data is exhausted (data.epochs) and every group was trained"
+    return batch, stop
+
+
+def _wait_state(t: Trainer, fut: Any) -> str | None:
+    """Rank 0, after waiting up to a second for its batch: `done` (or failed: raised after the loop), `join`
+    (a replica waits to join the weight group) or `wait`. Other ranks: None (they take rank 0's)."""
+    import concurrent.futures
+
+    import ray
+
+    if fut is None:
+        return None
+    try:
+        fut.result(timeout=1.0)
+        return "done"
+    except concurrent.futures.TimeoutError:
+        return "join" if ray.get(t.actors.hub.joiners.remote(), timeout=30) else "wait"
+    except Exception:
+        return "done"
 
 
 def train(t: Trainer, st: RunState, batch: Batch, step: int) -> tuple[dict[str, float], float, float]:

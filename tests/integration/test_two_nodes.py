@@ -1,0 +1,186 @@
+"""Two Ray nodes on this machine, as a cluster from cluster.yaml has them: a head with the custom resource
+`rollout_node` and a second node (`ray start --address`, its own IP 127.0.0.2) with `train_node`. The run
+pins the vLLM replica to the first (`resources.rollout_custom`) and the trainer to the second
+(`resources.train_custom`): every weight push crosses nodes, over the group the trainer's node hosts at its
+own address. `fully_async`, one epoch: every prompt trained exactly once, the run folder (and MLflow store)
+on a path both nodes share.
+
+The cluster is this test's own, driven by a `python -m app train` subprocess (the pytest process stays the
+shared cluster's driver). Every process it starts is stopped by process group, and any Ray worker they leave
+behind by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from tests.integration.conftest import REPO
+from tests.integration.test_async import _prompts
+
+log = logging.getLogger(__name__)
+TRAIN_NODE_IP = "127.0.0.2"  # a loopback address of its own: the push must go to the trainer node's address
+
+
+def _ray_start(env: dict[str, str], *args: str) -> subprocess.Popen:
+    """`ray start --block ARGS` in a process group of its own (SIGTERM to the group stops the node)."""
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--block", "--disable-usage-stats", *args],
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _stop(nodes: list[subprocess.Popen]) -> None:
+    """Stop the nodes (all at once: each takes seconds) and every process under them: Ray's workers and
+    vLLM's engine processes are their descendants, each in a session of its own, and may outlive their
+    raylet."""
+    import psutil
+
+    pids: set[int] = set()
+    for node in nodes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            pids.update(p.pid for p in psutil.Process(node.pid).children(recursive=True))
+    for node in reversed(nodes):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGTERM)  # `ray start --block` stops its node on SIGTERM
+    for node in nodes:
+        try:
+            node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=30)
+    deadline = time.monotonic() + 60  # workers notice their raylet is gone and exit on their own
+    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(1)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """The process lives (a zombie, dead but not yet reaped by its parent, does not count)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _start_cluster(env: dict[str, str]) -> tuple[list[subprocess.Popen], str]:
+    """The head (rollout_node) and a second node (train_node, at TRAIN_NODE_IP); the head's address."""
+    from app.sync import free_port
+
+    port = free_port()
+    nodes = [
+        _ray_start(
+            env,
+            "--head",
+            f"--port={port}",
+            "--num-cpus=4",
+            '--resources={"rollout_node": 1}',
+            "--include-dashboard=false",
+            f"--dashboard-agent-listen-port={free_port()}",  # the shared cluster holds the default ports
+            f"--ray-client-server-port={free_port()}",
+        )
+    ]
+    address = f"127.0.0.1:{port}"
+    try:
+        _wait_nodes(env, address, 1, nodes)
+        nodes.append(
+            _ray_start(
+                env,
+                f"--address={address}",
+                f"--node-ip-address={TRAIN_NODE_IP}",
+                "--num-cpus=4",
+                '--resources={"train_node": 1}',
+                f"--dashboard-agent-listen-port={free_port()}",
+            )
+        )
+        _wait_nodes(env, address, 2, nodes)
+    except BaseException:
+        _stop(nodes)
+        raise
+    return nodes, address
+
+
+def _wait_nodes(env: dict[str, str], address: str, count: int, nodes: list[subprocess.Popen]) -> None:
+    """Until the cluster at `address` has `count` live nodes (asked by a subprocess: this process stays the
+    shared cluster's driver)."""
+    probe = (
+        f"import ray; ray.init(address={address!r}, log_to_driver=False); "
+        "print(sum(n['Alive'] for n in ray.nodes()))"
+    )
+    deadline = time.monotonic() + 120
+    while True:
+        assert all(n.poll() is None for n in nodes), "a Ray node exited while starting"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p = subprocess.run(
+                [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+            )
+            if p.returncode == 0 and p.stdout.strip().splitlines()[-1:] == [str(count)]:
+                return
+        assert time.monotonic() < deadline, f"the cluster did not reach {count} node(s) in 120 s"
+        time.sleep(2)
+
+
+def test_fully_async_across_two_nodes_trains_each_prompt_once(ray_cluster, cache_dir, tmp_path):
+    t0 = time.monotonic()
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 16)
+    env = {k: v for k, v in ray_cluster["env"].items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"  # a throwaway loopback cluster, as the shared one
+    nodes, address = _start_cluster(env)
+    started_s = time.monotonic() - t0
+    name = "two-nodes"
+    shared = tmp_path / "shared"  # run_dir: what both nodes must reach (one machine: any local path)
+    cmd = [sys.executable, "-m", "app", "train", "--config", "quick", "algorithm.mode=fully_async"]
+    cmd += [f"ray.address={address}", f"ray.name={name}", f"run_dir={shared}", f"tracking.run_name={name}"]
+    cmd += [f"model.cache_dir={cache_dir}", f"data.train={tmp_path / 'train.jsonl'}", "data.epochs=1"]
+    cmd += ["train.steps=100", "data.val_size=8", "rollout.max_num_seqs=8"]  # the data (16 prompts) ends it
+    cmd += ["resources.rollout_custom={rollout_node: 0.01}", "resources.train_custom={train_node: 0.01}"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        _stop(nodes)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
+    res = json.loads(line)
+    assert res["ok"] and "exhausted" in res["stopped"], res
+    assert res["steps"] == 2 and res["weight_version"] == 2, res  # 8 + 8 groups
+
+    run = shared / name
+    trained = [json.loads(x) for x in (run / "trained_groups.jsonl").read_text().splitlines()]
+    assert Counter(t["uid"] for t in trained) == Counter(uids)  # nothing lost, nothing trained twice
+    st = json.loads((run / "rollout_members.json").read_text())
+    (member,) = st["members"].values()
+    # the trainer (rank 0 hosts the weight group) on the train node, the replica on the other node, and
+    # pushes v0, v1, v2 received there
+    assert st["host"] == TRAIN_NODE_IP and member["node_ip"] not in ("", TRAIN_NODE_IP), st
+    assert member["pushes"] == 3 and member["version"] == 2, member
+    assert Path(res["final_checkpoint"], "config.json").exists() and res["tracking_uri"].endswith(
+        f"{shared}/mlflow.db"
+    ), res
+    log.warning(
+        "two nodes: cluster up in %.1fs; replica on %s, weight group at %s; %d pushes; %d groups trained "
+        "once each; run %ss",
+        started_s,
+        member["node_ip"],
+        st["host"],
+        member["pushes"],
+        len(trained),
+        res["wall_s"],
+    )
