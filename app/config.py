@@ -410,6 +410,11 @@ class AlgorithmConfig(_Section):
     clip_ratio_c: float | None = None
     """Dual-clip (verl's default 3.0; None: off): with a negative advantage a token's loss is capped at
     clip_ratio_c * |A|, so a huge ratio on a bad token cannot dominate the step."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (no learning signal: every advantage is
+    0) is not trained; it is replaced from the prompt stream, so every batch keeps `train.batch_groups`
+    groups (the last may have fewer when the data runs out). Counted (`async/filtered_groups`) and logged
+    to `filtered_groups.jsonl` beside `trained_groups.jsonl`; works in every mode."""
     val_every: int = 5
     """Validate every this many versions (and at the first and last)."""
     val_temperature: float = 0.0

@@ -123,6 +123,20 @@ def group_key(epoch: int, uid: str) -> str:
 
 
 @dataclass(kw_only=True)
+class Filtered:
+    """A group dynamic sampling dropped (`algorithm.filter_groups`): every sample had the same reward. It
+    leaves the checkpoint state with the batch that replaced it, so each prompt is trained or filtered once."""
+
+    uid: str
+    epoch: int
+    reward: float
+
+    @property
+    def key(self) -> str:
+        return group_key(self.epoch, self.uid)
+
+
+@dataclass(kw_only=True)
 class Batch:
     """What the trainer trains on at one step, with the bookkeeping the metrics need."""
 
@@ -131,6 +145,7 @@ class Batch:
     dropped_overlong: int = 0
     reward_errors: dict[str, int] = field(default_factory=dict)
     extra: dict[str, float] = field(default_factory=dict)  # stream metrics (fully_async)
+    filtered: list[Filtered] = field(default_factory=list)  # dropped by dynamic sampling: not trained
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from app.records import Batch, Group, PipelineSnapshot, Prompt, ValResult
+from app.rollout import filtering
 from app.rollout.generator import Frozen, GenSettings, GroupGenerator
 from app.rollout.producer import AsyncProducer, ProducerSettings, reward_errors
 from app.rollout.prompt_stream import PromptStream
@@ -98,12 +99,32 @@ class Rollouter:
     # ------------------------------------------------------------ sync and one_step_off
 
     async def generate_batch(self, num_groups: int) -> Batch:
-        """The next `num_groups` groups: those restored from a checkpoint first, then fresh prompts."""
+        """The next `num_groups` groups: those restored from a checkpoint first, then fresh prompts. With
+        `algorithm.filter_groups`, groups without reward variance are dropped (`Batch.filtered`) and refilled
+        from the stream until the batch is full or the data runs out."""
         t0 = time.perf_counter()
         gen = self.stream.generation
         ready = self.producer.ready
         restored = [ready.popleft() for _ in range(min(num_groups, len(ready)))]
-        prompts = await asyncio.to_thread(self.stream.take, num_groups - len(restored), gen)
+        keep, drop = await filtering.fill(
+            num_groups, restored, lambda k: self._fresh_groups(k, gen), self.cfg.algorithm.filter_groups
+        )
+        self.stats["async/filtered_groups"] += len(drop)
+        dt = time.perf_counter() - t0
+        self.gen_busy_s += dt
+        return Batch(
+            groups=keep,
+            generate_s=dt,
+            dropped_overlong=self.stream.dropped_overlong,
+            reward_errors=reward_errors(self.stats),
+            filtered=drop,
+            extra={"async/filtered_groups": float(self.stats["async/filtered_groups"])},
+        )
+
+    async def _fresh_groups(self, k: int, gen: int) -> list[Group]:
+        """`k` fresh prompts from the stream, generated and scored (fewer when the data runs out)."""
+        t0 = time.perf_counter()
+        prompts = await asyncio.to_thread(self.stream.take, k, gen)
         base = random.Random(self.cfg.seed * 1_000_003 + self.stream.cursor)
         overlap = self.cfg.reward.overlap
         fresh = await asyncio.gather(
@@ -115,14 +136,7 @@ class Rollouter:
             self.stats["timing/reward_after_s"] = time.perf_counter() - t0 - t_gen
         if gen != self.stream.generation:
             raise RuntimeError("this batch request was superseded by a restore from a checkpoint")
-        dt = time.perf_counter() - t0
-        self.gen_busy_s += dt
-        return Batch(
-            groups=restored + list(fresh),
-            generate_s=dt,
-            dropped_overlong=self.stream.dropped_overlong,
-            reward_errors=reward_errors(self.stats),
-        )
+        return list(fresh)
 
     async def validate(self) -> ValResult:
         """Greedy (or `algorithm.val_temperature`) answers to the validation prompts: mean reward + a table."""

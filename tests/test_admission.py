@@ -68,6 +68,9 @@ async def _stream(
     durations,
     train_time,
     n: int = 1,
+    filter_groups: bool = False,
+    answer=lambda i: "1",
+    filtered: list[tuple[str, int]] | None = None,
 ) -> tuple[list[tuple[str, int]], int, int]:
     """Runs the real producer against a fake trainer until the data drains.
 
@@ -75,8 +78,9 @@ async def _stream(
     with the version the replicas serve at its start, and sleeps `durations()` units; the fake trainer takes
     B groups (fewer only at the end of the data), acknowledges them, trains `train_time()` units and pushes
     every `sync_every` steps. Returns the trained (uid, epoch) list, the over-bound count and the worst
-    staleness of a trained group."""
-    prompts = [Prompt(uid=f"p{i}", prompt_ids=[1 + i % 7], answer="1") for i in range(n_prompts)]
+    staleness of a trained group; groups dynamic sampling dropped go to `filtered`. A sample's second token
+    is its seed's parity; a prompt whose answer is `parity` is rewarded by it, any other always 1."""
+    prompts = [Prompt(uid=f"p{i}", prompt_ids=[1 + i % 7], answer=answer(i)) for i in range(n_prompts)]
 
     def epoch_rows(epoch: int):
         order = list(prompts)
@@ -92,15 +96,21 @@ async def _stream(
         assert p.taken + len(p.ready) + p.running <= admission_limit(eta, p.version, B)  # the invariant
         v = served["version"]
         await asyncio.sleep(durations() * UNIT_S)
-        smp = Sample(token_ids=[3, 4], logprobs=[-0.5, -0.5], versions=[v, v], finish_reason="stop")
+        parity = 4 + (req.seed or 0) % 2
+        smp = Sample(token_ids=[3, parity], logprobs=[-0.5, -0.5], versions=[v, v], finish_reason="stop")
         return GenerateResponse(samples=[smp], replica="fake", version=v)
 
     async def score(data_source: str, text: str, answer: str) -> RewardResult:
-        return RewardResult(score=1.0)
+        return RewardResult(score=float(text.endswith("5")) if answer == "parity" else 1.0)
 
     gen = GroupGenerator(generate, lambda ids: " ".join(map(str, ids)), score, GenSettings(n=n, max_tokens=4))
     settings = ProducerSettings(
-        max_staleness=eta, batch_groups=B, max_inflight=max_inflight, over_bound=over_bound, seed=seed
+        max_staleness=eta,
+        batch_groups=B,
+        max_inflight=max_inflight,
+        over_bound=over_bound,
+        seed=seed,
+        filter_groups=filter_groups,
     )
     producer = AsyncProducer(stream, lambda p, s: gen.group(p, seed=s), settings)
     await producer.start()
@@ -109,12 +119,16 @@ async def _stream(
     try:
         while True:
             batch = await producer.get_batch(B, version, timeout_s=20)
-            if not batch.groups:
+            if filtered is not None:
+                filtered += [(f.uid, f.epoch) for f in batch.filtered]
+            if not batch.groups:  # the data ran out (groups dropped while making this batch still settle)
+                stream.ack([f.key for f in batch.filtered])
                 break
             assert len(batch.groups) == B or producer.drained  # a short batch only at the end of the data
             worst = max(worst, *(version - g.min_version for g in batch.groups))
             trained += [(g.uid, g.epoch) for g in batch.groups]
-            stream.ack([g.key for g in batch.groups])
+            assert not filter_groups or all(len({s.reward for s in g.samples}) > 1 for g in batch.groups)
+            stream.ack([g.key for g in batch.groups] + [f.key for f in batch.filtered])
             await asyncio.sleep(train_time() * UNIT_S)
             version += 1
             if version % sync_every == 0:
@@ -247,3 +261,32 @@ def test_response_budget_is_long_tailed_and_deterministic():
     lens.sort()
     median, p95 = lens[1000], lens[1900]
     assert median <= 8 and p95 >= 40  # most groups are short, a few run to the cap
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_dynamic_sampling_drops_groups_without_signal_and_keeps_the_batch_full(eta):
+    """`filter_groups`: every third prompt's group is rewarded 1 whatever it says (no variance): it is not
+    trained but returned as filtered; the batch stays B groups (short only at the end of the data), and each
+    prompt of each epoch is trained or filtered exactly once."""
+    filtered: list[tuple[str, int]] = []
+    trained, _, worst = asyncio.run(
+        _stream(
+            3,
+            n_prompts=30,
+            epochs=2,
+            B=4,
+            eta=eta,
+            sync_every=1,
+            max_inflight=16,
+            over_bound="regenerate",
+            durations=lambda: 1.0,
+            train_time=lambda: 0.3,
+            n=2,
+            filter_groups=True,
+            answer=lambda i: "1" if i % 3 == 0 else "parity",
+            filtered=filtered,
+        )
+    )
+    assert sorted(filtered) == sorted((f"p{i}", e) for i in range(0, 30, 3) for e in range(2))
+    assert sorted(trained) == sorted((f"p{i}", e) for i in range(30) if i % 3 for e in range(2))
+    assert worst <= staleness_bound(eta)

@@ -69,6 +69,23 @@ def test_trained_log_appends_and_truncates(tmp_path):
     assert TrainedLog(tmp_path / "none").truncate(3) == 0
 
 
+def test_filtered_log_appends_and_truncates_with_the_trained_log(tmp_path):
+    from app.records import Filtered
+
+    log = TrainedLog(tmp_path)
+    log.append_filtered(1, [Filtered(uid="a", epoch=0, reward=1.0), Filtered(uid="b", epoch=1, reward=0.0)])
+    log.append_filtered(2, [])  # nothing dropped: no line
+    log.append_filtered(3, [Filtered(uid="c", epoch=0, reward=0.5)])
+    rows = [json.loads(x) for x in log.filtered_path.read_text().splitlines()]
+    assert [(r["uid"], r["epoch"], r["step"], r["reward"]) for r in rows] == [
+        ("a", 0, 1, 1.0),
+        ("b", 1, 1, 0.0),
+        ("c", 0, 3, 0.5),
+    ]
+    log.truncate(2)  # a restore to step 2 discards what step 3 dropped, too
+    assert [json.loads(x)["uid"] for x in log.filtered_path.read_text().splitlines()] == ["a", "b"]
+
+
 def test_run_state_round_trips_through_state_json():
     st = RunState(version=7, step=7, val_first=0.1, val_last=0.4, skipped_total=1, tokens_trained=900)
     st.stop, st.pushed = "signal", 5  # per-process fields are not saved

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app import admission
-from app.records import Batch, Group, Prompt
+from app.records import Batch, Filtered, Group, Prompt
+from app.rollout import filtering
 from app.rollout.generator import Frozen
 from app.rollout.prompt_stream import PromptStream
 
@@ -42,6 +43,7 @@ class ProducerSettings:
     batch_groups: int = 8
     max_inflight: int = 32
     over_bound: str = "train"
+    filter_groups: bool = False
     seed: int = 0
 
     @classmethod
@@ -52,6 +54,7 @@ class ProducerSettings:
             batch_groups=cfg.train.batch_groups,
             max_inflight=cfg.rollout.max_inflight,
             over_bound=a.over_bound,
+            filter_groups=a.filter_groups,
             seed=cfg.seed,
         )
 
@@ -187,7 +190,9 @@ class AsyncProducer:
     async def get_batch(self, num_groups: int, version: int, timeout_s: float) -> Batch:
         """The next `num_groups` finished groups (FIFO by completion) for the trainer at `version`.
 
-        Groups over the staleness bound are trained or regenerated per `over_bound` and counted. Returns
+        Groups over the staleness bound are trained or regenerated per `over_bound` and counted; with
+        `filter_groups`, a group without reward variance is dropped (returned in `Batch.filtered`) and the
+        freed admission slot starts the next prompt, so the batch still gets `num_groups`. Returns
         fewer groups (possibly none) only when the data is exhausted and everything drained. Raises
         TimeoutError after `timeout_s` naming what the stream was doing.
         """
@@ -195,6 +200,7 @@ class AsyncProducer:
         t0 = self.clock()
         deadline = time.monotonic() + timeout_s
         out: list[Group] = []
+        drop: list[Filtered] = []
         over = 0
         gen = self.stream.generation
         while len(out) < num_groups:
@@ -213,6 +219,11 @@ class AsyncProducer:
                         self.stream.retry(g.prompt())
                         await self._notify()
                         continue
+                if self.s.filter_groups and not filtering.has_signal([s.reward for s in g.samples]):
+                    drop.append(filtering.filtered(g))
+                    self.stats["async/filtered_groups"] += 1
+                    await self._notify()  # its admission slot is free: the next prompt starts
+                    continue
                 out.append(g)
                 self.taken += 1
                 await self._notify()
@@ -225,7 +236,7 @@ class AsyncProducer:
             async with self.changed:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
-        return self._batch(out, over, t0)
+        return self._batch(out, over, t0, drop)
 
     @property
     def drained(self) -> bool:
@@ -239,7 +250,7 @@ class AsyncProducer:
             f"{self.version}, exhausted={self.stream.exhausted}"
         )
 
-    def _batch(self, groups: list[Group], over: int, t0: float) -> Batch:
+    def _batch(self, groups: list[Group], over: int, t0: float, drop: list[Filtered]) -> Batch:
         now = self.clock()
         idle = self.idle_s + (now - self.idle_since if self.idle_since is not None else 0.0)
         window = max(1e-9, now - self.window_start)
@@ -251,6 +262,7 @@ class AsyncProducer:
             generate_s=now - t0,
             dropped_overlong=self.stream.dropped_overlong,
             reward_errors=reward_errors(self.stats),
+            filtered=drop,
             extra={
                 "async/queue_depth": float(len(self.ready)),
                 "async/running": float(self.running),
@@ -259,6 +271,7 @@ class AsyncProducer:
                 "async/over_bound_batch": float(over),
                 "async/failed_groups": float(self.stats["async/failed_groups"]),
                 "async/resubmitted": float(self.stats["async/resubmitted"]),
+                "async/filtered_groups": float(self.stats["async/filtered_groups"]),
             },
         )
 

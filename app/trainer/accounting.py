@@ -1,5 +1,6 @@
 """`trained_groups.jsonl`: one JSON line per trained group, so a run can prove each prompt of an epoch was
-trained exactly once, at which version, with tokens of which versions."""
+trained exactly once, at which version, with tokens of which versions. `filtered_groups.jsonl`: one line per
+group dynamic sampling dropped (`algorithm.filter_groups`); a prompt is in exactly one of the two."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import json
 from pathlib import Path
 
 from app import checkpoint
-from app.records import Group
+from app.records import Filtered, Group
 
 NAME = "trained_groups.jsonl"
+FILTERED = "filtered_groups.jsonl"
 
 
 class TrainedLog:
@@ -17,6 +19,7 @@ class TrainedLog:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / NAME
+        self.filtered_path = Path(run_dir) / FILTERED
 
     def append(self, step: int, trained_at: int, groups: list[Group]) -> None:
         """Record `groups` as trained at `step` (1-based) by weights of version `trained_at`."""
@@ -34,8 +37,19 @@ class TrainedLog:
                 }
                 f.write(json.dumps(rec) + "\n")
 
+    def append_filtered(self, step: int, groups: list[Filtered]) -> None:
+        """Record `groups` as dropped by dynamic sampling while the batch of `step` (1-based) was made."""
+        if not groups:
+            return
+        with open(self.filtered_path, "a") as f:
+            for g in groups:
+                f.write(json.dumps({"uid": g.uid, "epoch": g.epoch, "step": step, "reward": g.reward}) + "\n")
+
     def truncate(self, step: int) -> int:
-        """Forget the records of steps after `step` (a restore discarded that work); returns how many."""
+        """Forget the records of steps after `step` (a restore discarded that work); returns how many
+        trained-group records were dropped."""
+        if self.filtered_path.exists():
+            checkpoint.truncate_log(self.filtered_path, step)
         return checkpoint.truncate_log(self.path, step)
 
     def records(self) -> list[dict]:

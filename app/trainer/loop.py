@@ -33,6 +33,7 @@ def run(t: Trainer, st: RunState) -> None:
         t.monitor.phase(f"waiting for {t.cfg.train.batch_groups} finished groups for step {step}")
         batch, st.stop = next_batch(t, st, more=step < steps)
         if not batch.groups:
+            settle_filtered(t, st.step, batch)
             log.info("stopping after %d steps: %s", st.step, st.stop)
             break
         wait_s = time.perf_counter() - t0
@@ -144,6 +145,14 @@ def train(t: Trainer, st: RunState, batch: Batch, step: int) -> tuple[dict[str, 
     return stats, train_s, time.perf_counter() - t1 - train_s
 
 
+def settle_filtered(t: Trainer, step: int, batch: Batch) -> None:
+    """Rank 0, a batch with nothing left to train (the data ran out): the groups dynamic sampling dropped
+    while making it still leave the checkpoint state and enter the accounting, as of the last step."""
+    if t.lead and batch.filtered:
+        t.source.ack(batch)
+        t.accounting.append_filtered(step, batch.filtered)
+
+
 def count_skipped(t: Trainer, st: RunState, stats: dict[str, float], batch: Batch, step: int) -> None:
     """A step whose loss or gradient was non-finite changed nothing: count it, keep its prompt ids, and end
     the run past `train.max_skipped_steps`."""
@@ -199,6 +208,7 @@ def report(
     m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step)
     t.tracker.metrics(m, step)
     t.accounting.append(step, st.version - 1, batch.groups)
+    t.accounting.append_filtered(step, batch.filtered)
     for k, gauge in PROMETHEUS.items():
         if k in m:
             t.prom.set(gauge, m[k])

@@ -63,8 +63,9 @@ class RolloutSource:
         raise NotImplementedError
 
     def ack(self, batch: Batch) -> None:
-        """The groups of `batch` are trained: they leave the checkpoint state."""
-        self.rollouter.ack.remote([g.key for g in batch.groups])
+        """The groups of `batch` are trained (and those dynamic sampling dropped for it are settled): they
+        leave the checkpoint state."""
+        self.rollouter.ack.remote([g.key for g in batch.groups] + [f.key for f in batch.filtered])
 
     def before_push(self) -> None:
         return None
