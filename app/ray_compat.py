@@ -81,3 +81,30 @@ def delete_app(name: str, wait: bool) -> None:
     from ray import serve
 
     serve.delete(name, _blocking=wait)
+
+
+def current_actor() -> Any:
+    """The handle of the actor this code runs in (None outside an actor)."""
+    import ray
+
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:
+        return None
+
+
+async def actor_died(handle: Any, timeout_s: float = 2.0) -> bool:
+    """True when Ray says the actor `handle` died (its process was killed or crashed). A live actor answers
+    its built-in readiness call at once; a busy, restarting or unreachable one within `timeout_s` is not
+    called dead (its push deadline still decides)."""
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    try:
+        await asyncio.wait_for(handle.__ray_ready__.remote(), timeout=timeout_s)
+    except ActorDiedError:
+        return True
+    except Exception:
+        return False
+    return False

@@ -279,6 +279,43 @@ def test_check_acks_names_missing_and_failed_replicas():
     assert acks.as_dict()["acks"]["ok-1"] == {"ok": True, "checksums": ["a"]}
 
 
+class _ActorAt:
+    """The one call the hub makes on a replica's actor handle (`__ray_ready__.remote()`), answered as Ray
+    does for a live actor, a dead one (ActorDiedError) or one that does not answer in time."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+        self.__ray_ready__ = self
+
+    def remote(self):
+        async def ready() -> bool:
+            from ray.exceptions import ActorDiedError
+
+            if self.state == "dead":
+                raise ActorDiedError()
+            if self.state == "stuck":
+                await asyncio.sleep(60)
+            return True
+
+        return ready()
+
+
+def test_hub_new_epoch_leaves_out_replicas_whose_actor_died():
+    async def scenario():
+        hub = WeightHub()
+        for rid, state in [("live", "alive"), ("killed", "dead"), ("busy", "stuck")]:
+            await hub.register(rid, actor=_ActorAt(state))
+        await hub.register("no-handle")  # registered without one (in-process use): never probed
+        t0 = time.monotonic()
+        g = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0)
+        assert sorted(g.ranks) == ["busy", "live", "no-handle"]  # a slow answer is not death
+        assert time.monotonic() - t0 < 10  # the stuck probe gave up at its own deadline
+        m = hub.members["killed"]
+        assert not m.alive and m.dropped == "its replica actor died"
+
+    asyncio.run(scenario())
+
+
 def test_hub_version_gated_join_and_clean_leave():
     """A replica that registers mid-run must wait for the current version; one that leaves still gets the
     push already announced to its epoch, then `Leave`, and is out of the next epoch."""

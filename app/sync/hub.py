@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from app import ray_compat
 from app.sync.control import RunControl, call
 from app.sync.records import (
     Ack,
@@ -71,6 +72,7 @@ class WeightHub:
 
     def __init__(self, control: Any = None) -> None:
         self.members: dict[str, Member] = {}
+        self.actors: dict[str, Any] = {}  # replica id -> its Serve replica actor's handle (to see it die)
         self.group: GroupInfo | None = None
         self.plan: PushPlan | None = None
         self.version = -1  # last version acknowledged by every member
@@ -91,9 +93,15 @@ class WeightHub:
     # ------------------------------------------------------------ membership
 
     async def register(
-        self, replica_id: str, workers: int = 1, started_at: float | None = None, node_ip: str = ""
+        self,
+        replica_id: str,
+        workers: int = 1,
+        started_at: float | None = None,
+        node_ip: str = "",
+        actor: Any = None,
     ) -> int:
         """A replica asks to join; it becomes a member at the next epoch (the next push re-forms the group).
+        `actor`: its actor handle, so that a new epoch leaves it out at once once Ray says it died.
 
         Returns the version the replica must hold before it may serve: -1 when nothing was pushed yet (the
         run is starting and the trainer's first push comes before any rollout), else the latest version.
@@ -109,6 +117,7 @@ class WeightHub:
             registered_version=first.registered_version if first else need,
             admitted_version=first.admitted_version if first else None,
         )
+        self.actors[replica_id] = actor
         log.info("replica %s registered with %d worker(s) on node %s", replica_id, workers, node_ip or "?")
         await self._notify()
         return need
@@ -157,12 +166,23 @@ class WeightHub:
                 log.warning("replica %s dropped from the weight group: %s", rid, reason)
         await self._notify()
 
+    async def _drop_dead(self) -> None:
+        """Drop the members whose replica actor Ray reports dead (its process killed or crashed): the new
+        epoch leaves them out at once instead of waiting out its join deadline (`sync.timeout_s`)."""
+        probed = [rid for rid in self.alive_ids() if self.actors.get(rid) is not None]
+        died = await asyncio.gather(*[ray_compat.actor_died(self.actors[rid]) for rid in probed])
+        gone = [rid for rid, d in zip(probed, died, strict=True) if d]
+        if gone:
+            await self.drop(gone, "its replica actor died")
+
     # ------------------------------------------------------------ epochs and pushes (the trainer)
 
     async def open_epoch(
         self, host: str, port: int, backend: str, timeout_s: float, transport: str = "broadcast"
     ) -> GroupInfo:
-        """Assign ranks to the live members and announce a new epoch of the weight group."""
+        """Assign ranks to the live members and announce a new epoch of the weight group (members whose
+        actor died are dropped first)."""
+        await self._drop_dead()
         ranks, nxt = {}, 1
         for rid in self.alive_ids():
             ranks[rid] = nxt

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+from app.ray_compat import current_actor
 from app.sync.records import Abort, Ack, Join, Leave, Push, PushPlan, Unknown, group_to_json, plan_to_json
 from app.vllm import engine as vla
 
@@ -67,7 +68,9 @@ class ReplicaSync:
     async def start(self, join_timeout_s: float) -> None:
         """Register, start both loops, and return once this replica may serve (see the module docstring)."""
         await vla.set_version(self.engine, self.version)
-        need = await self.hub.register.remote(self.replica_id, self.workers, self.started, _node_ip())
+        need = await self.hub.register.remote(
+            self.replica_id, self.workers, self.started, _node_ip(), current_actor()
+        )
         self.control = self._find_control()
         if self.control is not None:
             self.abort_seen = await self.control.abort_count.remote()
@@ -162,7 +165,9 @@ class ReplicaSync:
             if isinstance(instr, Leave):
                 return
             if isinstance(instr, Unknown):
-                await self.hub.register.remote(self.replica_id, self.workers, self.started, _node_ip())
+                await self.hub.register.remote(
+                    self.replica_id, self.workers, self.started, _node_ip(), current_actor()
+                )
             elif isinstance(instr, Join):
                 await self._join(instr)
             elif isinstance(instr, Push):
