@@ -59,6 +59,7 @@ LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 REGISTRIES: dict[str, tuple[str, str]] = {
     "algorithm.correction": ("app.losses", "LOSSES"),
     "algorithm.mode": ("app.trainer.sources", "SOURCES"),
+    "env.name": ("app.envs", "ENVIRONMENTS"),
 }
 
 
@@ -137,7 +138,8 @@ class _Section:
 class ModelConfig(_Section):
     path: str = "builtin:tiny"
     """A local HF checkpoint folder, or `builtin:tiny` to build (once, cached) the embedded tiny model
-    (`builtin:tiny-code`: the same with an ASCII tokenizer, for `builtin:code`)."""
+    (`builtin:tiny-code`: the same with an ASCII tokenizer, for `builtin:code`; `builtin:tiny-calc`: with the
+    calculator's symbols, for `builtin:calc`)."""
     dtype: Dtype = "float32"
     """Parameter dtype of trainer and replicas: float32 on CPU, bfloat16 on GPU."""
     cache_dir: str = ".cache/relay"
@@ -147,7 +149,8 @@ class ModelConfig(_Section):
 @dataclass
 class DataConfig(_Section):
     train: str = "builtin:arith"
-    """`builtin:arith`, `builtin:code` (small programs with tests, scored in the sandbox), or a .parquet
+    """`builtin:arith`, `builtin:code` (small programs with tests, scored in the sandbox), `builtin:calc`
+    (two-digit products with a calculator tool: multi-turn, env.name=calculator), or a .parquet
     (verl layout) / .jsonl (`{"prompt", "answer"}`) file."""
     val: str = "builtin:arith"
     """Validation split: `builtin:arith` (its held-out split) or a file like `train`."""
@@ -488,8 +491,16 @@ class RewardConfig(_Section):
     overlap: bool = True
     """Score each trajectory the moment it finishes, while the rest generate; false scores a batch after
     all of it is generated (sync and one_step_off; the baseline of bench/reward_overlap.py)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (0: off): a training response longer than rollout.max_tokens - this
+    loses overlong_factor x (its excess / this) of reward, reaching -overlong_factor at max_tokens.
+    Validation rewards are never shaped. Logged per sample as the sub-score `overlong_penalty`."""
+    overlong_factor: float = 1.0
+    """The most reward the overlong punishment takes (at rollout.max_tokens)."""
 
     _RANGES: ClassVar[dict[str, Range]] = {
+        "overlong_buffer": rng(">= 0", "0 turns the overlong punishment off"),
+        "overlong_factor": rng(">= 0"),
         "timeout_s": _TIMEOUT,
         "on_error": rng("finite", "it is averaged into rewards and advantages"),
         "workers": rng(">= 0", "0: score in the rollouter"),
@@ -500,6 +511,35 @@ class RewardConfig(_Section):
     def check(self, prefix: str) -> None:
         super().check(prefix)
         _check_reward_fn(f"{prefix}fn", self.fn)
+
+
+@dataclass
+class EnvConfig(_Section):
+    name: str = ""
+    """Multi-turn rollouts: the environment (a key of app/envs ENVIRONMENTS, e.g. `calculator`) that answers
+    each model turn until the episode is done; its observations are appended as tokens masked out of the
+    loss and it gives the reward. "" (the default): one response per sample, scored by `reward.fn`."""
+    max_turns: int = 4
+    """Model turns per episode at most; an episode cut here keeps its last step's reward."""
+    max_total_tokens: int = 64
+    """Response tokens (model and environment together) per episode at most; each turn is also capped at
+    rollout.max_tokens."""
+    step_timeout_s: float = 10.0
+    """Deadline of one environment call; one that raises or hangs ends the episode with reward.on_error
+    (counted as env/errors_exception, env/errors_timeout)."""
+
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "max_turns": rng(">= 1"),
+        "max_total_tokens": rng(">= 1"),
+        "step_timeout_s": _TIMEOUT,
+    }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        key = f"{prefix}name"
+        keys = _registry_keys(*REGISTRIES[key])
+        if self.name and keys is not None:
+            _check_choice(key, self.name, keys, f' (the keys of {".".join(REGISTRIES[key])}; "" for none)')
 
 
 @dataclass
@@ -617,6 +657,7 @@ class RelayConfig(_Section):
     sync: SyncConfig = field(default_factory=SyncConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
@@ -645,6 +686,32 @@ class RelayConfig(_Section):
             self.rollout.max_model_len >= budget,
             f"{self.rollout.max_model_len} < data.max_prompt_tokens + rollout.max_tokens "
             f"({self.data.max_prompt_tokens} + {self.rollout.max_tokens}); raise it or lower those",
+        )
+        _check(
+            f"{prefix}reward.overlong_buffer",
+            self.reward.overlong_buffer < self.rollout.max_tokens,
+            f"{self.reward.overlong_buffer} >= rollout.max_tokens ({self.rollout.max_tokens}): every response "
+            "would be punished; the buffer is the last stretch before max_tokens (DAPO: 4k of 20k)",
+        )
+        calc = "builtin:calc" in (self.data.train, self.data.val)
+        _check(
+            f"{prefix}env.name",
+            not calc or self.env.name == "calculator",
+            f"{self.env.name!r}: builtin:calc is answered with the calculator tool; set env.name=calculator "
+            "(`--config calc` sets the task up)",
+        )
+        _check(
+            f"{prefix}model.path",
+            not calc or self.model.path not in ("builtin:tiny", "builtin:tiny-code"),
+            f"{self.model.path}: builtin:calc needs a tokenizer with the calculator's symbols; use "
+            "model.path=builtin:tiny-calc or a real model",
+        )
+        budget = self.data.max_prompt_tokens + self.env.max_total_tokens
+        _check(
+            f"{prefix}env.max_total_tokens",
+            not self.env.name or self.rollout.max_model_len >= budget,
+            f"{self.env.max_total_tokens}: data.max_prompt_tokens + this ({budget}) exceeds "
+            f"rollout.max_model_len ({self.rollout.max_model_len}); lower it or raise max_model_len",
         )
         _check(
             f"{prefix}data.train",

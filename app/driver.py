@@ -56,6 +56,10 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
     if model_path == "builtin:tiny":
         model_path = str(root / "model")
+    elif model_path == "builtin:tiny-calc":
+        from app.calc_task import ensure_builtin_calc
+
+        model_path = str(ensure_builtin_calc(cfg.model.cache_dir, seed=cfg.seed) / "model")
     elif model_path == "builtin:tiny-code":
         from app.tiny import ensure_builtin_code
 
@@ -73,9 +77,14 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
             from app.code_task import ensure_code_task
 
             return str(ensure_code_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
+        if spec == "builtin:calc":
+            from app.calc_task import ensure_calc_task
+
+            return str(ensure_calc_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
         if spec.startswith("builtin:"):
             raise ValueError(
-                f"data.{split}={spec!r}: unknown built-in task; available: builtin:arith, builtin:code"
+                f"data.{split}={spec!r}: unknown built-in task; available: builtin:arith, builtin:code, "
+                "builtin:calc"
             )
         check_file(spec)  # a missing file or an unknown format fails here, before the cluster starts
         return str(Path(spec).resolve())

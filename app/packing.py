@@ -111,7 +111,7 @@ def collate_packed(rows: list[Any], device: torch.device, mode: str = "auto") ->
         score_idx += range(off + p - 1, off + p - 1 + n)
         targets += r.response_ids
         grid_idx += range(i * width, i * width + n)
-        mask[i, :n] = 1.0
+        mask[i, :n] = r.mask()
         old[i, :n] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
         adv[i, :n] = r.advantage
         if has_ref:

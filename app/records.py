@@ -24,6 +24,12 @@ class Sample:
     reward_extras: dict[str, float] = field(default_factory=dict)
     replica: str = ""
     ref_logprobs: list[float] | None = None  # reference policy's, when computed off the trainer
+    # multi-turn trajectories (app/envs): 1 = a model token (trained), 0 = an environment token (never in the
+    # loss; its log-prob is 0 and its version that of the model token before it). None: every token is 1.
+    loss_mask: list[int] | None = None
+    turns: int = 0  # model turns of an environment episode (0: a single-turn sample)
+    tool_calls: int = 0
+    env_s: float = 0.0  # seconds spent in the environment's steps
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -32,6 +38,15 @@ class Sample:
                 f"a sample needs one log-prob and one version per token: {n} tokens, "
                 f"{len(self.logprobs)} log-probs, {len(self.versions)} versions"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(
+                f"a sample's loss mask needs one entry per token: {n} tokens, {len(self.loss_mask)}"
+            )
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model sampled (the trained ones)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,6 +201,7 @@ class ValResult:
     version_max: int
     version_min: int = -1
     table: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)  # e.g. multi-turn episodes' tool-call rate
 
 
 @dataclass(kw_only=True)

@@ -39,6 +39,15 @@ def exact_match(response: str, answer: str) -> float:
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (<= 0) of a `length`-token response: none up to max_tokens - buffer,
+    then linear in the excess, -factor at max_tokens (and beyond); `buffer` 0 turns it off."""
+    if buffer <= 0:
+        return 0.0
+    excess = length - (max_tokens - buffer)
+    return -factor * min(1.0, excess / buffer) if excess > 0 else 0.0
+
+
 def _normalize_number(raw: str) -> str | None:
     """`"$1,234."` -> `"1234"`; None when nothing numeric is left."""
     s = re.sub(r"[\s,$]", "", raw).rstrip(".").lstrip("+")

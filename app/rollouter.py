@@ -25,8 +25,10 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from app.envs import make_factory
 from app.records import Batch, Group, PipelineSnapshot, Prompt, ValResult
 from app.rollout import filtering
+from app.rollout.episode import EpisodeLimits, env_metrics
 from app.rollout.generator import Frozen, GenSettings, GroupGenerator
 from app.rollout.producer import AsyncProducer, ProducerSettings, reward_errors
 from app.rollout.prompt_stream import PromptStream
@@ -72,6 +74,9 @@ class Rollouter:
             GenSettings.from_cfg(cfg),
             refs=refs,
             stats=self.stats,
+            env=make_factory(cfg.env.name, cfg),
+            encode=lambda text: list(tok.encode(text, add_special_tokens=False)),
+            limits=EpisodeLimits.from_cfg(cfg),
         )
         self.stream = PromptStream(self._epoch_rows, epochs=d.epochs, max_prompt_tokens=d.max_prompt_tokens)
         self.producer = AsyncProducer(
@@ -165,6 +170,9 @@ class Rollouter:
             version_max=max(versions, default=-1),
             version_min=min(versions, default=-1),
             table=table,
+            extra={
+                f"val/{k.split('/')[-1]}": v for k, v in env_metrics([g.samples[0] for g in groups]).items()
+            },
         )
 
     # ------------------------------------------------------------ fully_async

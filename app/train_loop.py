@@ -21,6 +21,7 @@ from app import grpo
 from app.losses import LOSSES, LossInputs
 from app.packing import collate_packed, packed_model_kwargs, plan_micro_batches, to_device
 from app.records import Batch, Group
+from app.rollout.episode import env_metrics
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,17 @@ class Row:
     advantage: float
     versions: list[int]
     ref_logprobs: list[float] | None = None  # from the reference workers (ref.workers > 0)
+    loss_mask: list[int] | None = None  # 0 on environment tokens of a multi-turn trajectory
+
+    def mask(self) -> torch.Tensor:
+        """1 on the response tokens the loss sees (model tokens), 0 on environment tokens."""
+        if self.loss_mask is None:
+            return torch.ones(len(self.response_ids), dtype=torch.float32)
+        return torch.tensor(self.loss_mask, dtype=torch.float32)
+
+    @property
+    def loss_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else int(sum(self.loss_mask))
 
 
 def flatten_batch(batch: Batch, normalize_std: bool) -> list[Row]:
@@ -113,7 +125,9 @@ def flatten_batch(batch: Batch, normalize_std: bool) -> list[Row]:
         for s, a in zip(g.samples, adv, strict=True):
             if not s.token_ids:
                 continue
-            rows.append(Row(g.prompt_ids, s.token_ids, s.logprobs, a, s.versions, s.ref_logprobs))
+            rows.append(
+                Row(g.prompt_ids, s.token_ids, s.logprobs, a, s.versions, s.ref_logprobs, s.loss_mask)
+            )
     return rows
 
 
@@ -134,6 +148,7 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, tor
     adv = torch.zeros((b, width - 1), dtype=torch.float32)
     has_ref = bool(rows) and all(r.ref_logprobs is not None for r in rows)
     ref = torch.zeros((b, width - 1), dtype=torch.float32)
+    resp = torch.zeros((b, width - 1), dtype=torch.bool)  # every response position (scored)
     for i, r in enumerate(rows):
         seq = list(r.prompt_ids) + list(r.response_ids)
         n, p = len(seq), len(r.prompt_ids)
@@ -141,12 +156,13 @@ def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, tor
         attn[i, :n] = 1
         targets[i, : n - 1] = torch.tensor(seq[1:])
         sl = slice(p - 1, n - 1)
-        mask[i, sl] = 1.0
+        mask[i, sl] = r.mask()
+        resp[i, sl] = True
         old[i, sl] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
         adv[i, sl] = r.advantage
         if has_ref:
             ref[i, sl] = torch.tensor(r.ref_logprobs, dtype=torch.float32)
-    grid_idx = mask.flatten().nonzero().squeeze(1)  # b * (W-1) + t, on the host
+    grid_idx = resp.flatten().nonzero().squeeze(1)  # b * (W-1) + t, on the host
     out = dict(input_ids=ids, attention_mask=attn, targets=targets, mask=mask, old=old, adv=adv)
     out.update(score_idx=grid_idx + grid_idx // (width - 1), score_targets=targets.flatten()[grid_idx])
     out["grid_idx"] = grid_idx
@@ -261,7 +277,7 @@ class Learner:
         inside the micro-batch loop).
         """
         rows = flatten_batch(batch, self.cfg.algorithm.normalize_adv_std)
-        total_tokens = float(sum(len(r.response_ids) for r in rows))
+        total_tokens = float(sum(r.loss_tokens for r in rows))
         parts, n_micro = self._plan(rows)
         mbs = [self.collate(p) for p in parts]
         if len(mbs) < n_micro:
@@ -500,6 +516,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "data/dropped_overlong": float(batch.dropped_overlong),
         **{k: float(v) for k, v in batch.reward_errors.items()},
         **{f"reward/sub/{k}": sum(v) / len(v) for k, v in subs.items()},  # a reward's named sub-scores
+        **env_metrics([s for g in batch.groups for s in g.samples]),
     }
 
 

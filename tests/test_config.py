@@ -235,11 +235,17 @@ def test_typed_gives_dataclasses_with_literal_choices():
 
 
 def test_registry_choices_are_checked_against_the_registries():
-    """algorithm.mode / algorithm.correction name registry keys: a typo is refused with the valid keys."""
+    """algorithm.mode / algorithm.correction / env.name name registry keys: a typo is refused with the valid
+    keys."""
+    from app.envs import ENVIRONMENTS
     from app.losses import LOSSES
     from app.trainer.sources import SOURCES
 
-    for key, registry in (("algorithm.correction", LOSSES), ("algorithm.mode", SOURCES)):
+    for key, registry in (
+        ("algorithm.correction", LOSSES),
+        ("algorithm.mode", SOURCES),
+        ("env.name", ENVIRONMENTS),
+    ):
         for name in registry:
             load_config(
                 None, [f"{key}={name}"] + (["algorithm.max_staleness=1"] if name == "fully_async" else [])
@@ -247,6 +253,17 @@ def test_registry_choices_are_checked_against_the_registries():
         with pytest.raises(ConfigError, match=key) as e:
             load_config(None, [f"{key}=not_a_{key.split('.')[1]}"])
         assert all(name in str(e.value) for name in registry)
+
+
+def test_calc_preset_and_its_cross_checks():
+    cfg = load_config("calc", [])
+    assert cfg.env.name == "calculator" and cfg.model.path == "builtin:tiny-calc"
+    with pytest.raises(ConfigError, match="env.name.*set env.name=calculator"):
+        load_config("calc", ["env.name="])
+    with pytest.raises(ConfigError, match="model.path.*builtin:tiny-calc"):
+        load_config("calc", ["model.path=builtin:tiny"])
+    with pytest.raises(ConfigError, match="env.max_total_tokens.*max_model_len"):
+        load_config("calc", ["env.max_total_tokens=100"])
 
 
 def test_cli_config_prints_the_reference():

@@ -286,3 +286,74 @@ def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path):
     for k, v in ref_g.items():
         torch.testing.assert_close(torch.tensor(g[k]), v, atol=1e-5, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
     assert lp == pytest.approx(ref_lp, abs=1e-5)
+
+
+# ---------------------------------------------------------------- multi-turn loss masks
+
+
+def _env_batch(masked: bool, env_old: float | None = None) -> Batch:
+    """`_batch()` with the middle third of each response of 3+ tokens made environment tokens (loss mask
+    0); `env_old` overwrites their behaviour log-probs (they must not matter when masked)."""
+    b = _batch()
+    for g in b.groups:
+        for s in g.samples:
+            n = len(s.token_ids)
+            env = set(range(n // 3, 2 * n // 3)) if n >= 3 else set()
+            s.loss_mask = [0 if i in env else 1 for i in range(n)] if masked else None
+            if env_old is not None:
+                s.logprobs = [env_old if i in env else lp for i, lp in enumerate(s.logprobs)]
+    return b
+
+
+@pytest.mark.parametrize("variant", ["padded_full", "packed_chunked"])
+def test_environment_tokens_never_reach_the_loss(tmp_path, variant):
+    path = _model_dir(tmp_path)
+
+    def run(batch: Batch):
+        torch.manual_seed(0)
+        cfg = load_config(None, ["train.lr=0.01", "algorithm.correction=tis", *VARIANTS[variant]])
+        return step_with_grads(Learner(cfg, path, torch.device("cpu")), batch)
+
+    masked, grads = run(_env_batch(True))
+    model_tokens = sum(s.model_tokens for g in _env_batch(True).groups for s in g.samples)
+    all_tokens = sum(len(s.token_ids) for g in _batch().groups for s in g.samples)
+    assert masked["train/tokens"] == model_tokens < all_tokens
+    # environment tokens' behaviour log-probs (0 in a real trajectory) change nothing when masked ...
+    other, other_grads = run(_env_batch(True, env_old=-9.0))
+    for k, v in masked.items():
+        assert other[k] == pytest.approx(v, abs=1e-6), k
+    for k, v in grads.items():
+        torch.testing.assert_close(other_grads[k], v, atol=1e-6, rtol=0)
+    # ... and everything when they are trained (no mask): another loss, another gradient
+    unmasked, unmasked_grads = run(_env_batch(False, env_old=-9.0))
+    assert unmasked["train/tokens"] == all_tokens
+    assert abs(unmasked["loss/policy"] - masked["loss/policy"]) > 1e-3
+    assert any((unmasked_grads[k] - v).abs().max() > 1e-4 for k, v in grads.items())
+
+
+def test_masked_loss_by_hand(tmp_path):
+    """The padded step's policy loss (token_mean, no correction) is the mean of -A * ratio over model
+    tokens only, computed here from the model's own log-probs."""
+    path = _model_dir(tmp_path)
+    torch.manual_seed(0)
+    cfg = load_config(None, ["train.lr=0.01", "algorithm.correction=none", *VARIANTS["padded_full"]])
+    learner = Learner(cfg, path, torch.device("cpu"))
+    batch = _env_batch(True)
+    from app.train_loop import flatten_batch
+
+    rows = flatten_batch(batch, True)
+    with torch.no_grad():
+        mb = collate(rows, 0, torch.device("cpu"))
+        logp, _ = response_logprobs(learner.model, mb)
+    num, den = 0.0, 0
+    for i, r in enumerate(rows):
+        lp = row_values(mb, logp, i, r)
+        for j, keep in enumerate(r.loss_mask or [1] * len(lp)):
+            if keep:
+                ratio = math.exp(lp[j] - r.behaviour_logprobs[j])
+                # clipped surrogate: -min(ratio*A, clip(ratio)*A)
+                lo, hi = 1 - cfg.algorithm.clip_low, 1 + cfg.algorithm.clip_high
+                num += -min(ratio * r.advantage, min(max(ratio, lo), hi) * r.advantage)
+                den += 1
+    m = learner.step(batch)
+    assert m["loss/policy"] == pytest.approx(num / den, abs=1e-5)

@@ -20,8 +20,17 @@ from app.rewards import (
     exact_match,
     extract_gsm8k,
     gsm8k_reward,
+    overlong_penalty,
     resolve_reward_fn,
 )
+
+
+def test_overlong_penalty_hand_values():
+    # DAPO: max 20 tokens, buffer 4 -> none up to 16, then -(excess / 4) x factor, -factor at 20 and beyond
+    assert overlong_penalty(10, 20, 4) == 0.0 and overlong_penalty(16, 20, 4) == 0.0
+    assert overlong_penalty(17, 20, 4) == -0.25 and overlong_penalty(18, 20, 4, factor=2.0) == -1.0
+    assert overlong_penalty(20, 20, 4) == -1.0 and overlong_penalty(25, 20, 4) == -1.0
+    assert overlong_penalty(20, 20, 0) == 0.0  # buffer 0: off
 
 
 def test_exact_match_is_strict_after_strip():

@@ -155,3 +155,17 @@ def test_generator_fails_a_failed_request_clearly():
     with pytest.raises(RuntimeError, match="rollout failed for prompt u: replica died"):
         asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1], answer="a"), seed=0, n=1))
     assert gen.stats["rollout/request_failures"] == 1
+
+
+def test_generator_overlong_punishment_shapes_training_rewards_only():
+    """reward.overlong_buffer=2, overlong_factor=0.5 with max_tokens 4: a 4-token response (the fake's
+    length) loses 0.5 in training, scored at once or after the batch; validation rewards stay raw."""
+    gen = _gen(FakeReplica(), overlong_buffer=2, overlong_factor=0.5)
+    g = asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1], answer="a"), seed=0))
+    assert [s.reward for s in g.samples] == [3.5, 3.5]  # 4 words - 0.5
+    assert all(s.reward_extras["overlong_penalty"] == -0.5 for s in g.samples)
+    g = asyncio.run(gen.group(Prompt(uid="v", prompt_ids=[1], answer="a"), seed=0, score_now=False))
+    g = asyncio.run(gen.score_group(g))
+    assert [s.reward for s in g.samples] == [3.5, 3.5]
+    val = asyncio.run(gen.group(Prompt(uid="w", prompt_ids=[1], answer="a"), seed=0, n=1, train=False))
+    assert val.samples[0].reward == 4.0 and "overlong_penalty" not in val.samples[0].reward_extras

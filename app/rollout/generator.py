@@ -22,8 +22,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from app import admission
+from app.envs.base import EnvFactory
 from app.records import GenerateRequest, GenerateResponse, Group, Prompt, Sample
-from app.rewards import RewardResult
+from app.rewards import RewardResult, overlong_penalty
+from app.rollout.episode import Episode, EpisodeLimits
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class GenSettings:
     request_timeout_s: float = 300.0
     lengths: tuple[float, int] | None = None
     seed: int = 0
+    overlong_buffer: int = 0  # reward.overlong_buffer: DAPO's soft punishment of training responses
+    overlong_factor: float = 1.0
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> GenSettings:
@@ -76,6 +80,8 @@ class GenSettings:
             request_timeout_s=r.request_timeout_s,
             lengths=parse_lengths(r.lengths),
             seed=cfg.seed,
+            overlong_buffer=cfg.reward.overlong_buffer,
+            overlong_factor=cfg.reward.overlong_factor,
         )
 
 
@@ -90,10 +96,21 @@ class GroupGenerator:
         settings: GenSettings,
         refs: RefFill | None = None,
         stats: Counter[str] | None = None,
+        env: EnvFactory | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+        limits: EpisodeLimits | None = None,
     ) -> None:
+        """`env`: a factory of environments (app/envs): each sample is then a multi-turn episode
+        (app/rollout/episode.py) whose reward the environment gives; `encode` tokenizes its observations."""
         self.generate, self.decode, self.score = generate, decode, score
         self.s = settings
         self.refs = refs
+        if env is not None and encode is None:
+            raise ValueError(
+                "a multi-turn generator needs `encode` to tokenize the environment's observations"
+            )
+        self.encode = encode
+        self.episode = Episode(self, env, limits or EpisodeLimits()) if env is not None else None
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.inflight: set[str] = set()
         self.freezing = False
@@ -141,7 +158,7 @@ class GroupGenerator:
         if train and self.freezing and any(s.finish_reason == "abort" for s, _ in outs):
             raise Frozen(key, [s for s, _ in outs])
         for s, res in outs:
-            self._set_reward(s, res)
+            self._set_reward(s, res, shape=train)
         g = Group(
             uid=prompt.uid,
             prompt_ids=list(prompt.prompt_ids),
@@ -155,16 +172,28 @@ class GroupGenerator:
             await self.refs.fill(g)
         return g
 
-    def _set_reward(self, s: Sample, res: RewardResult | None) -> None:
+    def _set_reward(self, s: Sample, res: RewardResult | None, shape: bool = True) -> None:
+        """The sample's reward; training samples (`shape`) also get the overlong punishment, if on."""
         if res is None:
             s.reward, s.reward_error, s.reward_extras = 0.0, "unscored", {}
             return
-        if res.error:
+        if res.error and not res.error.startswith("env_"):  # an environment's are counted as env/errors_*
             self.stats[f"reward/errors_{res.error}"] += 1
         s.reward, s.reward_error, s.reward_extras = res.score, res.error, dict(res.extras or {})
+        if shape and self.s.overlong_buffer > 0:
+            pen = overlong_penalty(
+                len(s.token_ids), self.s.max_tokens, self.s.overlong_buffer, self.s.overlong_factor
+            )
+            s.reward += pen
+            s.reward_extras["overlong_penalty"] = pen
 
     async def score_group(self, g: Group) -> Group:
-        """Score a group generated with score_now=False (reward.overlap=false: after the whole batch)."""
+        """Score a group generated with score_now=False (reward.overlap=false: after the whole batch).
+        Episodes were scored by their environment as they finished."""
+        if self.episode is not None:
+            if self.refs is not None:
+                await self.refs.fill(g)
+            return g
         results = await asyncio.gather(*[self.score(g.data_source, s.text, g.answer) for s in g.samples])
         for s, res in zip(g.samples, results, strict=True):
             self._set_reward(s, res)
@@ -176,6 +205,10 @@ class GroupGenerator:
         self, prompt: Prompt, req: GenerateRequest, sample: Sample | None, score_now: bool
     ) -> tuple[Sample, RewardResult | None]:
         """Generate (or continue) one sample, then score it at once: (sample, reward or None)."""
+        if self.episode is not None:
+            sample, res = await self.episode.run(prompt, req, sample)
+            sample.text = self.decode(sample.token_ids)
+            return sample, res
         if sample is None:
             resp = await self._request(prompt.uid, req)
             sample = resp.samples[0]

@@ -285,4 +285,4 @@ class AsyncProducer:
 
 
 def reward_errors(stats: Counter[str]) -> dict[str, int]:
-    return {k: v for k, v in stats.items() if k.startswith("reward/errors_")}
+    return {k: v for k, v in stats.items() if k.startswith(("reward/errors_", "env/errors_"))}

@@ -52,6 +52,7 @@ class Validator:
                 "val/version": version,
                 "val/version_max": res.version_max,
                 "timing/val_s": res.seconds,
+                **getattr(res, "extra", {}),
             },
             step,
         )
