@@ -27,15 +27,17 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
-def train_cmd(ray_cluster: dict, cache_dir: Path, tmp_path: Path, name: str, *overrides: str) -> list[str]:
-    """`python -m app train --config quick` on the shared cluster, run `name` under `tmp_path`."""
+def train_cmd(
+    ray_cluster: dict, cache_dir: Path, tmp_path: Path, name: str, *overrides: str, config: str = "quick"
+) -> list[str]:
+    """`python -m app train --config <config>` on the shared cluster, run `name` under `tmp_path`."""
     return [
         sys.executable,
         "-m",
         "app",
         "train",
         "--config",
-        "quick",
+        config,
         *overrides,
         f"ray.address={ray_cluster['address']}",
         f"ray.name={name}",
