@@ -36,7 +36,9 @@ class TrainedLog:
                     "replica_min_version": _replica_min_versions(g),
                     # per sample, the versions its tokens span (max - min; > 0: a push landed while it was
                     # generated) and its model turns (multi-turn episodes; 0 for single-turn samples)
-                    "sample_spans": [max(s.versions) - min(s.versions) if s.versions else 0 for s in g.samples],
+                    "sample_spans": [
+                        max(s.versions) - min(s.versions) if s.versions else 0 for s in g.samples
+                    ],
                     "turns": [s.turns for s in g.samples],
                 }
                 f.write(json.dumps(rec) + "\n")
