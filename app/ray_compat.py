@@ -84,9 +84,12 @@ def delete_app(name: str, wait: bool) -> None:
 
 
 def current_actor() -> Any:
-    """The handle of the actor this code runs in (None outside an actor)."""
+    """The handle of the actor this code runs in (None outside an actor). Never starts or joins a cluster:
+    outside Ray, `get_runtime_context()` would auto-initialise one (and hang on a stale cluster's address)."""
     import ray
 
+    if not ray.is_initialized():
+        return None
     try:
         return ray.get_runtime_context().current_actor
     except Exception:
