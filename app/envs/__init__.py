@@ -11,10 +11,12 @@ from typing import Any
 
 from app.envs.base import EnvFactory, Environment, EnvStep
 from app.envs.calculator import CalculatorEnv
+from app.envs.code_feedback import factory as code_feedback_envs
 
 ENVIRONMENTS: dict[str, Callable[[Any], EnvFactory]] = {
     # name -> (the run's config -> a factory of one environment per episode)
     "calculator": lambda cfg: CalculatorEnv,
+    "code_feedback": code_feedback_envs,
 }
 
 
