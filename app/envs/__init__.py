@@ -17,7 +17,15 @@ ENVIRONMENTS: dict[str, Callable[[Any], EnvFactory]] = {
     # name -> (the run's config -> a factory of one environment per episode)
     "calculator": lambda cfg: CalculatorEnv,
     "code_feedback": code_feedback_envs,
+    "openai_agent": lambda cfg: _openai_agent(cfg),
 }
+
+
+def _openai_agent(cfg: Any) -> EnvFactory:
+    """Agent code driving whole sessions through the OpenAI endpoint (app/rollout/agent_session.py)."""
+    from app.rollout.agent_session import AgentEpisodes
+
+    return AgentEpisodes(cfg)
 
 
 def make_factory(name: str, cfg: Any) -> EnvFactory | None:
