@@ -714,9 +714,9 @@ class RelayConfig(_Section):
         calc = "builtin:calc" in (self.data.train, self.data.val)
         _check(
             f"{prefix}env.name",
-            not calc or self.env.name == "calculator",
+            not calc or self.env.name in ("calculator", "openai_agent"),
             f"{self.env.name!r}: builtin:calc is answered with the calculator tool; set env.name=calculator "
-            "(`--config calc` sets the task up)",
+            "(`--config calc` sets the task up; or openai_agent with an agent that calls it: `--config calc_agent`)",
         )
         _check(
             f"{prefix}model.path",
