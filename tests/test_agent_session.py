@@ -177,9 +177,10 @@ def test_runner_turns_each_sample_into_a_trajectory_with_the_agents_reward():
     core, _ = _core()
     seen = []
 
-    async def agent(base_url: str, row: dict) -> float:
+    async def agent(base_url: str, row: dict) -> dict:
         seen.append(row)
-        return (await calc_chat(core, sid_of(base_url), row["prompt"]))[1]
+        reward = (await calc_chat(core, sid_of(base_url), row["prompt"]))[1]
+        return {"score": reward, "tool_calls": 1, "correct": reward, "note": "not a number: dropped"}
 
     gen = _gen(Episodes(agent, core))
     g = asyncio.run(gen.group(PROMPT, seed=1))
@@ -187,6 +188,7 @@ def test_runner_turns_each_sample_into_a_trajectory_with_the_agents_reward():
         assert s.text == "[12*34]>408|408" and s.loss_mask == [1] * 8 + [0] * 5 + [1] * 4
         assert s.reward == 1.0 and s.reward_error is None and (s.turns, s.finish_reason) == (2, "stop")
         assert s.logprobs == [-0.5] * 8 + [0.0] * 5 + [-0.5] * 4
+        assert s.tool_calls == 1 and s.reward_extras == {"correct": 1.0}
     assert seen[0] == {"uid": "p0", "prompt": "12*34=", "answer": "408", "data_source": ""}
     assert core.sessions == {} and gen.stats["env/steps"] == 2
 

@@ -1,8 +1,9 @@
 """Agent sessions: agent code written against an OpenAI client drives a sample's rollout (`env.name=openai_agent`).
 
 For each sample the runner (`AgentEpisode`) opens a session on the OpenAI-compatible frontend
-(app/openai_api.py), calls the user's agent function (`env.agent`, `async def agent(base_url, row) -> float`)
-with the session's base URL, and waits for its reward, within `env.agent_timeout_s`. The frontend records
+(app/openai_api.py), calls the user's agent function (`env.agent`, `async def agent(base_url, row)`) with
+the session's base URL, and waits for its reward, within `env.agent_timeout_s` (a number, or a dict with a
+`score`, numeric sub-scores and `tool_calls`: `agent_reward`). The frontend records
 every chat call of the session (`SessionCall`: prompt token ids, completion token ids with their behaviour
 log-probs and policy versions); `assemble` turns the record into one trajectory, a `Sample` whose tokens
 are what the model saw and wrote after the row's prompt:
@@ -185,7 +186,7 @@ class AgentEpisode:
         row["data_source"] = prompt.data_source
         t0 = time.perf_counter()
         err: AgentError | None = None
-        reward = 0.0
+        reward: tuple[float, dict[str, float]] = (0.0, {})
         try:
             reward = await self._agent(f"{self.base}/s/{sid}/v1", row)
         except AgentError as e:
@@ -210,10 +211,13 @@ class AgentEpisode:
             return traj.sample(finish), RewardResult(
                 score=self.lim.on_error, error=f"env_{err.kind}", detail=err.detail
             )
-        return traj.sample(finish), RewardResult(score=reward)
+        score, extras = reward
+        traj.tool_calls = int(extras.pop("tool_calls", 0))
+        return traj.sample(finish), RewardResult(score=score, extras=extras)
 
-    async def _agent(self, base_url: str, row: dict[str, Any]) -> float:
-        """The agent's reward; raises AgentError (timeout, exception, invalid, or frozen by a checkpoint)."""
+    async def _agent(self, base_url: str, row: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        """The agent's reward (`agent_reward`); raises AgentError (timeout, exception, invalid, or frozen by
+        a checkpoint)."""
         task = asyncio.ensure_future(self._call(base_url, row))
         deadline = time.monotonic() + self.timeout_s
         try:
@@ -233,11 +237,7 @@ class AgentEpisode:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise AgentError(
-                "invalid", f"the agent returned {value!r:.100}, not a finite number (its reward)"
-            )
-        return float(value)
+        return agent_reward(value)
 
     async def _call(self, base_url: str, row: dict[str, Any]) -> Any:
         fn = self.agent
@@ -245,3 +245,22 @@ class AgentEpisode:
             return await fn(base_url, row)
         out = await asyncio.to_thread(fn, base_url, row)  # a blocking agent runs in a thread
         return await out if inspect.isawaitable(out) else out
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and math.isfinite(v)
+
+
+def agent_reward(value: Any) -> tuple[float, dict[str, float]]:
+    """(score, extras) of what an agent returned: a finite number, or a dict with a finite "score" and other
+    numeric entries (sub-scores, logged as reward/sub/*; "tool_calls", the session's tool calls, is counted
+    as env/tool_calls). Raises AgentError("invalid") for anything else."""
+    if isinstance(value, dict) and _finite(value.get("score")):
+        return float(value["score"]), {
+            str(k): float(v) for k, v in value.items() if k != "score" and _finite(v)
+        }
+    if not _finite(value):
+        raise AgentError(
+            "invalid", f"the agent returned {value!r:.100}: not a finite number, nor a dict with a 'score'"
+        )
+    return float(value), {}
