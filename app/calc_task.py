@@ -120,7 +120,7 @@ def ensure_builtin_calc(cache_dir: str | Path, seed: int = 0, warmup_steps: int 
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from app.tiny import build_tokenizer, model_config
+    from app.tiny import build_tokenizer, model_config, save_built
 
     log.info("building the embedded tiny calculator model under %s", root)
     root.mkdir(parents=True, exist_ok=True)
@@ -129,10 +129,6 @@ def ensure_builtin_calc(cache_dir: str | Path, seed: int = 0, warmup_steps: int 
     model = Qwen2ForCausalLM(model_config(len(tok), CALC_MAX_POSITIONS))
     train, _ = make_calc_problems(seed)
     final = _warmup(model, tok, train, warmup_steps, seed)
-    tmp = root / "model.tmp"
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    tmp.rename(root / "model")
-    marker.write_text(json.dumps({"version": CALC_BUILD_VERSION, "seed": seed, "final_loss": final}))
+    save_built(root, model, tok, {"version": CALC_BUILD_VERSION, "seed": seed, "final_loss": final})
     log.info("embedded calculator model ready: warm-up loss %.3f", final)
     return root
