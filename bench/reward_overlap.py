@@ -1,6 +1,6 @@
 """Step time with rewards overlapped with generation vs computed after it, one run.
 
-    python bench/reward_overlap.py [--steps 12] [--delay-s 0.5] [--workers 2] [--max-concurrency 8]
+    python bench/reward_overlap.py [--steps 12] [--delay-s 0.5] [--sandbox-tests 2] [--workers 2] [--max-concurrency 8]
 
 Two costly rewards on the built-in task (sync mode, long-tailed response lengths so trajectories finish at
 different times):
@@ -40,15 +40,21 @@ def delay_reward(response: str, answer: str) -> float:
     return exact_match(response, answer)
 
 
+TESTS = [("3 8 1 5", "8"), ("9 2 7 4", "9"), ("1 1 6 0", "6"), ("5 2 2 5", "5")]
+
+
 def sandbox_reward(response: str, answer: str) -> dict[str, float]:
-    """The cost of a real code reward: two sandboxed runs of a program on tests, then exact match."""
+    """The cost of a real code reward: sandboxed runs of a program on `--sandbox-tests` tests (a code task's
+    hidden tests), then exact match."""
     from app.sandbox import run_program
 
+    n = int(os.environ.get("RELAY_BENCH_SANDBOX_TESTS", "2"))
     ok = 0
-    for stdin, want in (("3 8 1 5", "8"), ("9 2 7 4", "9")):
+    for i in range(n):
+        stdin, want = TESTS[i % len(TESTS)]
         r = run_program(PROGRAM, stdin)
         ok += int(r.status == "ok" and r.stdout.strip() == want)
-    return {"score": exact_match(response, answer), "sandbox_tests_passed": ok / 2}
+    return {"score": exact_match(response, answer), "sandbox_tests_passed": ok / n}
 
 
 def main() -> None:
@@ -61,6 +67,7 @@ def main() -> None:
     ap.add_argument("--delay-s", type=float, default=0.5)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-concurrency", type=int, default=8)
+    ap.add_argument("--sandbox-tests", type=int, default=2, help="sandboxed runs per sample (hidden tests)")
     ap.add_argument("--rewards", default="delay,sandbox")
     ap.add_argument("--gpu", action="store_true", help="configs/gpu1.yaml: replica and trainer share one GPU")
     ap.add_argument("--cache-dir", default=".cache/relay")
@@ -96,7 +103,11 @@ def main() -> None:
         f"model.cache_dir={args.cache_dir}",
         f"run_dir={out}",
     ]
-    env = {"RELAY_BENCH_REWARD_DELAY_S": str(args.delay_s), "PYTHONPATH": str(Path.cwd())}
+    env = {
+        "RELAY_BENCH_REWARD_DELAY_S": str(args.delay_s),
+        "RELAY_BENCH_SANDBOX_TESTS": str(args.sandbox_tests),
+        "PYTHONPATH": str(Path.cwd()),
+    }
     if os.environ.get("PYTHONPATH"):  # e.g. the GPU machine's overlay
         env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
     env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"  # as app.driver.start_ray: no GPU for roles without one
@@ -138,6 +149,7 @@ def main() -> None:
         "steps": args.steps,
         "samples_per_step": args.batch_groups * args.n,
         "delay_s": args.delay_s,
+        "sandbox_tests": args.sandbox_tests,
         "reward_workers": args.workers,
         "max_concurrency": args.max_concurrency,
         "gpu": args.gpu,
