@@ -303,6 +303,18 @@ class TrainConfig(_Section):
     backward); false keeps them, trading memory for one all-gather per layer and step."""
     reduce_dtype: Dtype = "float32"
     """FSDP2 gradient reduction dtype with model.dtype=bfloat16 (`bfloat16` halves the reduce-scatter)."""
+    gather_once: bool = False
+    """FSDP2 gradient accumulation: gather each layer's parameters once per step and keep them through every
+    micro-batch, accumulating unsharded gradients (in `reduce_dtype`) and reduce-scattering once at the end of
+    the step, instead of a gather and a reduce-scatter per micro-batch. Costs a full copy of the parameters
+    (compute dtype) and of the gradients (`reduce_dtype`) per rank while the step runs."""
+    optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
+    """AdamW implementation: `fused` (one kernel per parameter group, step counters on the device: no host
+    reads in the step), `foreach` (torch's default), `auto` (fused on GPU, foreach on CPU)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/compiled.py: fewer passes over
+    the activations, fewer kernel launches, less memory saved for backward). `auto`: on with GPUs, off on CPU
+    (compiling costs more than it saves on small CPU runs)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0
