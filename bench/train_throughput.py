@@ -383,14 +383,25 @@ def profile_step(learner: Any, batch: Any, dev: torch.device, rank: int, label: 
     tables = {}
     for key in ("device_time_total", "cpu_time_total") if dev.type == "cuda" else ("cpu_time_total",):
         try:
-            tables[key] = avg.table(sort_by=key, row_limit=18)
+            tables[key] = avg.table(sort_by=key, row_limit=25)
         except Exception as e:  # sort keys differ between torch versions
             tables[key] = f"(no table by {key}: {e})"
     counts = {
         e.key: e.count
         for e in avg
-        if e.key in ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaLaunchKernel")
+        if e.key
+        in (
+            "aten::item",
+            "aten::_local_scalar_dense",
+            "cudaStreamSynchronize",
+            "cudaLaunchKernel",
+            "cuLaunchKernel",
+            "cudaLaunchKernelExC",
+        )
     }
+    if dev.type == "cuda":  # kernel time summed over the step (overlapping streams counted twice)
+        counts["device_self_ms"] = round(sum(e.self_device_time_total for e in avg) / 1e3, 1)
+    counts["cpu_self_ms"] = round(sum(e.self_cpu_time_total for e in avg) / 1e3, 1)
     out.put({"profile": label, "tables": tables, "counts": counts})
 
 
