@@ -61,6 +61,7 @@ def build_fsdp_model(
         from app.compiled import compile_layers as compile_norms_and_mlps
 
         compile_norms_and_mlps(model)
+        model.relay_compiled = True  # the chunked log-probs too (grpo.chunked_token_logprobs(fused=True))
     if activation_checkpointing and train:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -213,7 +214,8 @@ def _scored_forward(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output embedding without bias")
-    return grpo.chunked_token_logprobs(h, head.weight, score_targets, chunk_tokens, with_entropy)
+    fused = getattr(model, "relay_compiled", False)
+    return grpo.chunked_token_logprobs(h, head.weight, score_targets, chunk_tokens, with_entropy, fused)
 
 
 def scored_logprobs(
