@@ -271,7 +271,9 @@ class Learner:
             compile_layers=t.compile == "on" or (t.compile == "auto" and on_gpu),
         )
         # gather_once keeps the gathered layers through the step (resharded after its last backward)
-        self.gather_once = t.gather_once and dist.is_initialized()
+        self.gather_once = dist.is_initialized() and (
+            t.gather_once == "on" or (t.gather_once == "auto" and self.world == 1)
+        )
         self.model = build_fsdp_model(
             model_path,
             cfg.model.dtype,

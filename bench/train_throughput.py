@@ -13,7 +13,8 @@ Variants (`--variants`, comma separated; levers appended with `+`):
   packed_chunked  packed and chunked (the default of 2026-11-24)
   default         the config's defaults as they are now
   The four named layouts keep the second round's levers off (eager layers, foreach AdamW, a gather and a
-  reduce-scatter per micro-batch) unless a lever turns one on; `default` takes every default.
+  reduce-scatter per micro-batch, 1,024-token log-prob chunks, 8,192 tokens per pass) unless a lever turns
+  one on; `default` takes every default.
   levers: +noreshard (`train.reshard_after_forward=false`), +bf16reduce (`train.reduce_dtype=bfloat16`),
           +noentropy (`train.log_entropy=false`), +ac / +noac (activation checkpointing, overriding --ac),
           +fused / +foreach (`train.optimizer_impl`), +gather / +nogather (`train.gather_once`),
@@ -66,9 +67,10 @@ PEAKS_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100
 ROUND1 = [
     "train.compile=off",
     "train.optimizer_impl=foreach",
-    "train.gather_once=false",
+    "train.gather_once=off",
     "train.logprob_chunk_tokens=1024",
 ]
+ROUND1_MICRO_TOKENS = 8192
 BASES = {
     "padded_full": [*ROUND1, "train.micro_batch_tokens=0", "train.logprob_chunk_tokens=0"],
     "padded_chunked": [*ROUND1, "train.micro_batch_tokens=0"],
@@ -82,8 +84,8 @@ LEVERS = {
     "noentropy": ["train.log_entropy=false"],
     "fused": ["train.optimizer_impl=fused"],
     "foreach": ["train.optimizer_impl=foreach"],
-    "gather": ["train.gather_once=true"],
-    "nogather": ["train.gather_once=false"],
+    "gather": ["train.gather_once=on"],
+    "nogather": ["train.gather_once=off"],
     "compile": ["train.compile=on"],
     "nocompile": ["train.compile=off"],
     "ac": [],
@@ -120,7 +122,7 @@ def variant_overrides(variant: str, seq_len: int, micro_tokens: int) -> tuple[li
         raise SystemExit(
             f"unknown variant {variant!r}: bases {sorted(BASES)}, levers {sorted(LEVERS)}, mtN, chunkN"
         )
-    budget = micro_tokens or TrainConfig().micro_batch_tokens
+    budget = micro_tokens or (TrainConfig().micro_batch_tokens if base == "default" else ROUND1_MICRO_TOKENS)
     budget = next((int(lv[2:]) for lv in levers if lv.startswith("mt") and lv[2:].isdigit()), budget)
     keys = [f"train.micro_batch_size={max(1, budget // seq_len)}", f"train.micro_batch_tokens={budget}"]
     keys += BASES[base] + [k for lv in levers if not lv.startswith("mt") for k in (_lever(lv) or [])]

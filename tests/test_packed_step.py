@@ -281,7 +281,7 @@ def _fsdp_one_rank(port: int, path: str, keys: list[str], q) -> None:
 
 @pytest.mark.parametrize(
     "fast",
-    [[], ["train.gather_once=true", "train.optimizer_impl=fused", "train.compile=on"]],
+    [[], ["train.gather_once=on", "train.optimizer_impl=fused", "train.compile=on"]],
     ids=["packed_chunked", "gather_once_fused_compiled"],
 )
 def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path, fast):
