@@ -3,9 +3,11 @@
 Prompts are two-digit products, `37*48=`; the answer is the product. The tiny model cannot multiply in its
 head, but it can call the calculator environment (app/envs/calculator.py): `[37*48]`, read `>1776|`, and
 answer `1776`. The supervised warm-up teaches the formats only: a quarter of its examples call the tool and
-copy the result, the rest guess a number. So the model starts calling the tool about a quarter of the time
-(validation, greedy, answers by guessing: reward near 0) and GRPO has to discover from rewards alone that
-calling pays. Splits are disjoint in their (a, b) pairs.
+copy the result, the rest answer "from the head" by a wrong rule (the first factor times ten: `370`), so
+that the answer's first token, fixed by the prompt, outweighs the call's `[`. The model starts sampling the
+tool about a quarter of the time, and greedy validation answers from the head (reward near 0, no tool
+calls): GRPO has to discover from rewards alone that calling pays. Splits are disjoint in their (a, b)
+pairs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from app.envs.calculator import observation
 
 log = logging.getLogger(__name__)
 
-CALC_BUILD_VERSION = 1
+CALC_BUILD_VERSION = 2
 CALC_CHARS = list("0123456789") + list("+-*=[]>?|")
 CALC_MAX_POSITIONS = 64
 TOOL_SHARE = 0.25  # of warm-up examples that call the tool
@@ -54,11 +56,17 @@ def ensure_calc_task(cache_dir: str | Path, seed: int = 0) -> Path:
     return root
 
 
+def head_answer(prompt: str) -> str:
+    """The warm-up's answer without the tool: a wrong rule (the first factor times ten; right only when the
+    second factor is 10) whose first token the prompt fixes."""
+    return prompt.split("*")[0] + "0"
+
+
 def warmup_example(
     tok, row: dict, rng: random.Random, copy_only: bool = False
 ) -> tuple[list[int], list[int]]:
     """One warm-up sequence and its label mask (1 on trained tokens): a tool call and the copied result,
-    or a guessed number. `copy_only`: a tool episode trained on the copied result alone (reading the
+    or the head answer (`head_answer`). `copy_only`: a tool episode trained on the copied result alone (reading the
     tool's answer without teaching when to call it)."""
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     eos = tok.eos_token_id
@@ -71,7 +79,7 @@ def warmup_example(
             ([*enc(row["answer"]), eos], 1),
         ]
     else:
-        parts = [([*enc(str(rng.randrange(100, 10_000))), eos], 1)]
+        parts = [([*enc(head_answer(row["prompt"])), eos], 1)]
     for p, m in parts:
         ids += p
         mask += [m] * len(p)
@@ -112,7 +120,7 @@ def ensure_builtin_calc(cache_dir: str | Path, seed: int = 0, warmup_steps: int 
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from app.tiny import build_tokenizer, model_config
+    from app.tiny import build_tokenizer, model_config, save_built
 
     log.info("building the embedded tiny calculator model under %s", root)
     root.mkdir(parents=True, exist_ok=True)
@@ -121,10 +129,6 @@ def ensure_builtin_calc(cache_dir: str | Path, seed: int = 0, warmup_steps: int 
     model = Qwen2ForCausalLM(model_config(len(tok), CALC_MAX_POSITIONS))
     train, _ = make_calc_problems(seed)
     final = _warmup(model, tok, train, warmup_steps, seed)
-    tmp = root / "model.tmp"
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    tmp.rename(root / "model")
-    marker.write_text(json.dumps({"version": CALC_BUILD_VERSION, "seed": seed, "final_loss": final}))
+    save_built(root, model, tok, {"version": CALC_BUILD_VERSION, "seed": seed, "final_loss": final})
     log.info("embedded calculator model ready: warm-up loss %.3f", final)
     return root

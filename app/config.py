@@ -541,11 +541,23 @@ class EnvConfig(_Section):
     step_timeout_s: float = 10.0
     """Deadline of one environment call; one that raises or hangs ends the episode with reward.on_error
     (counted as env/errors_exception, env/errors_timeout)."""
+    # env.name=openai_agent: agent code drives each sample through the OpenAI-compatible endpoint
+    agent: str = ""
+    """With env.name=openai_agent: the agent function `pkg.module:function`, `async def agent(base_url, row)`:
+    it chats through an OpenAI client at `base_url` (one session per sample) and returns the sample's reward
+    (a number, or a dict with `score`); the session becomes the trajectory (app/rollout/agent_session.py)."""
+    agent_timeout_s: float = 120.0
+    """Deadline of one agent session; an agent that raises or misses it scores reward.on_error."""
+    http_port: int = 0
+    """With env.name=openai_agent: the loopback port of Serve's HTTP proxy, which serves the endpoint under
+    /relay (0: a free port); a Serve already running on the cluster keeps its own."""
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "max_turns": rng(">= 1"),
         "max_total_tokens": rng(">= 1"),
         "step_timeout_s": _TIMEOUT,
+        "agent_timeout_s": _TIMEOUT,
+        "http_port": rng(">= 0", "0 picks a free port"),
     }
 
     def check(self, prefix: str) -> None:
@@ -554,6 +566,12 @@ class EnvConfig(_Section):
         keys = _registry_keys(*REGISTRIES[key])
         if self.name and keys is not None:
             _check_choice(key, self.name, keys, f' (the keys of {".".join(REGISTRIES[key])}; "" for none)')
+        _check(
+            f"{prefix}agent",
+            self.name != "openai_agent" or ":" in self.agent,
+            f"{self.agent!r}: env.name=openai_agent runs the agent function named here; set "
+            "env.agent=pkg.module:function (an async function (base_url, row) -> reward)",
+        )
 
 
 @dataclass
@@ -710,9 +728,9 @@ class RelayConfig(_Section):
         calc = "builtin:calc" in (self.data.train, self.data.val)
         _check(
             f"{prefix}env.name",
-            not calc or self.env.name == "calculator",
+            not calc or self.env.name in ("calculator", "openai_agent"),
             f"{self.env.name!r}: builtin:calc is answered with the calculator tool; set env.name=calculator "
-            "(`--config calc` sets the task up)",
+            "(`--config calc` sets the task up; or openai_agent with an agent that calls it: `--config calc_agent`)",
         )
         _check(
             f"{prefix}model.path",

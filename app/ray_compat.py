@@ -12,6 +12,8 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
                               waiting for its replicas (serve.run has no public way not to wait)
     delete_app                ray.serve.delete(_blocking=...) (private argument): delete an application,
                               waiting for its replicas' graceful shutdown or not
+    serve_http_port           ray.serve.context._get_global_client().http_config (private): the port
+                              Serve's HTTP proxies listen on (fixed when Serve started on the cluster)
 
 Nothing else in app/ may import `ray._private`, `ray.experimental`, `ray.llm._internal`, `ray.serve._private`
 or any other `_internal`/`_private` Ray module. Ray is imported inside each function: importing this module
@@ -63,14 +65,17 @@ def replica_id() -> str:
     return serve.get_replica_context().replica_id.unique_id
 
 
-def deploy_app(app: Any, name: str, external_scaler_enabled: bool = False) -> None:
-    """Start deploying the Serve application `app` as `name` (no HTTP route) and return once its deployment
-    exists, without waiting for its replicas to start; `serve.status()` then tells how the start goes."""
+def deploy_app(
+    app: Any, name: str, external_scaler_enabled: bool = False, route_prefix: str | None = None
+) -> None:
+    """Start deploying the Serve application `app` as `name` (an HTTP route only with `route_prefix`) and
+    return once its deployment exists, without waiting for its replicas to start; `serve.status()` then
+    tells how the start goes."""
     from ray import serve
     from ray.serve.api import RunTarget
 
     target = RunTarget(
-        target=app, name=name, route_prefix=None, external_scaler_enabled=external_scaler_enabled
+        target=app, name=name, route_prefix=route_prefix, external_scaler_enabled=external_scaler_enabled
     )
     serve.run_many([target], wait_for_applications_running=False)
 
@@ -83,10 +88,20 @@ def delete_app(name: str, wait: bool) -> None:
     serve.delete(name, _blocking=wait)
 
 
+def serve_http_port() -> int:
+    """The port of Serve's HTTP proxies on this cluster (Serve must be running: `serve.start`)."""
+    from ray.serve.context import _get_global_client
+
+    return int(_get_global_client().http_config.port)
+
+
 def current_actor() -> Any:
-    """The handle of the actor this code runs in (None outside an actor)."""
+    """The handle of the actor this code runs in (None outside an actor). Never starts or joins a cluster:
+    outside Ray, `get_runtime_context()` would auto-initialise one (and hang on a stale cluster's address)."""
     import ray
 
+    if not ray.is_initialized():
+        return None
     try:
         return ray.get_runtime_context().current_actor
     except Exception:

@@ -626,17 +626,20 @@ CODE_BUDGET_S = 8.0
 """Wall-clock budget of one `code_reward` call, below the default reward.timeout_s of 10 s."""
 
 
-def _run_test(program: str, test: dict[str, str], limits: SandboxLimits, deadline: float) -> str:
-    """ "pass", or why the test failed: a run status or "wrong_answer"; raises SandboxError."""
+def _check_test(
+    program: str, test: dict[str, str], limits: SandboxLimits, deadline: float
+) -> tuple[str, RunResult | None]:
+    """("pass" or why the test failed: a run status or "wrong_answer"; the run's result, None when the
+    budget was spent before it ran). Raises SandboxError when the sandbox itself fails."""
     left = deadline - time.monotonic()
     if left < 0.5:  # the budget is spent: fails as a timeout without running
-        return "timeout"
+        return "timeout", None
     res = run_program(program, test["input"], replace(limits, wall_s=min(limits.wall_s, left)))
     if res.status == "sandbox_error":
         raise SandboxError(f"sandbox failed: {res.detail}")
     if res.status != "ok":
-        return res.status
-    return "pass" if _normalize(res.stdout) == _normalize(test["output"]) else "wrong_answer"
+        return res.status, res
+    return ("pass" if _normalize(res.stdout) == _normalize(test["output"]) else "wrong_answer"), res
 
 
 def code_reward(
@@ -651,16 +654,54 @@ def code_reward(
     output_limit) or "wrong_answer". Never raises for what the program does; raises SandboxError when the
     sandbox itself fails and ValueError for a malformed `answer`.
     """
+    return code_feedback(response, answer, limits, budget_s)[0]
+
+
+FEEDBACK_CHARS = 400
+"""Most characters of test output `code_feedback` reports (each quoted stream is also cut to a line)."""
+
+
+def code_feedback(
+    response: str,
+    answer: str,
+    limits: SandboxLimits = CODE_LIMITS,
+    budget_s: float = CODE_BUDGET_S,
+    max_chars: int = FEEDBACK_CHARS,
+) -> tuple[dict, str]:
+    """`code_reward`'s score and a short report of the first failing test ("" when all pass), for a model
+    to fix its program: which test failed and how, with the last line of the program's stderr (the
+    exception) for a crash, or the test's input and the program's output for a wrong answer. The expected
+    output is never shown (a model could print it back). At most `max_chars` characters. Same deadlines
+    and errors as `code_reward`."""
     tests = _parse_tests(answer)
     program = extract_program(response)
     deadline = time.monotonic() + budget_s
-    outcomes = [_run_test(program, t, limits, deadline) for t in tests]
+    checked = [_check_test(program, t, limits, deadline) for t in tests]
+    outcomes = [o for o, _ in checked]
     passed = outcomes.count("pass")
     out: dict = {"score": passed / len(tests), "passed": passed, "total": len(tests)}
-    failures = [o for o in outcomes if o != "pass"]
-    if failures:
-        out[failures[0]] = 1.0
-    return out
+    failed = next((i for i, o in enumerate(outcomes) if o != "pass"), None)
+    if failed is None:
+        return out, ""
+    out[outcomes[failed]] = 1.0
+    report = _failure_report(failed, len(tests), outcomes[failed], tests[failed], checked[failed][1])
+    return out, report[:max_chars]
+
+
+def _last_line(text: str, limit: int = 160) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
+def _failure_report(i: int, total: int, kind: str, test: dict[str, str], res: RunResult | None) -> str:
+    head = f"Test {i + 1} of {total} failed: {kind.replace('_', ' ')}."
+    if res is None:
+        return f"{head} (out of time before it ran)"
+    if kind == "wrong_answer":
+        got = _last_line(res.stdout) if res.stdout.strip() else "(nothing)"
+        return f"{head}\nInput: {_last_line(test['input'])}\nYour output: {got}"
+    err = _last_line(res.stderr) or res.detail
+    return f"{head}\n{err}" if err else head
 
 
 # ----------------------------------------------------------------------------------------------------

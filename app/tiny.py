@@ -163,6 +163,16 @@ def greedy_accuracy(model, tok, problems: list[Problem]) -> float:
     return sum(tok.decode([t]) == p.answer for t, p in zip(pred, problems, strict=True)) / len(problems)
 
 
+def save_built(root: Path, model, tok, info: dict) -> None:
+    """Save a built model and its tokenizer as `root/model` (whole or not at all: written to a temporary
+    folder, then renamed), then the marker `root/build.json` with `info` that says the build is done."""
+    tmp = root / "model.tmp"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    tmp.rename(root / "model")
+    (root / "build.json").write_text(json.dumps(info))
+
+
 def ensure_builtin(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 150) -> Path:
     """Build (once) the tiny model, its tokenizer and the task files; return the folder.
 
@@ -190,11 +200,7 @@ def ensure_builtin(cache_dir: str | Path, seed: int = 0, warmup_steps: int = 150
     model = Qwen2ForCausalLM(model_config(len(tok)))
     _warmup(model, tok, train, warmup_steps, seed)
     acc = greedy_accuracy(model, tok, val)
-    tmp = root / "model.tmp"
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    tmp.rename(root / "model")
-    marker.write_text(json.dumps({"version": BUILD_VERSION, "seed": seed, "warmup_val_accuracy": acc}))
+    save_built(root, model, tok, {"version": BUILD_VERSION, "seed": seed, "warmup_val_accuracy": acc})
     log.info("embedded model ready: warm-up validation accuracy %.3f", acc)
     return root
 

@@ -247,9 +247,11 @@ def test_registry_choices_are_checked_against_the_registries():
         ("env.name", ENVIRONMENTS),
     ):
         for name in registry:
-            load_config(
-                None, [f"{key}={name}"] + (["algorithm.max_staleness=1"] if name == "fully_async" else [])
-            )
+            extra = {
+                "fully_async": ["algorithm.max_staleness=1"],
+                "openai_agent": ["env.agent=pkg.mod:agent"],
+            }
+            load_config(None, [f"{key}={name}", *extra.get(name, [])])
         with pytest.raises(ConfigError, match=key) as e:
             load_config(None, [f"{key}=not_a_{key.split('.')[1]}"])
         assert all(name in str(e.value) for name in registry)

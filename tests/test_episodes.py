@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from app.calc_task import CALC_CHARS, make_calc_problems, warmup_example
+from app.calc_task import CALC_CHARS, head_answer, make_calc_problems, warmup_example
 from app.envs import ENVIRONMENTS, make_factory
 from app.envs.base import EnvStep
 from app.envs.calculator import CalculatorEnv
@@ -223,6 +223,11 @@ def test_calc_task_rows_and_warmup_examples():
     rng = random.Random(0)
     ids, mask = warmup_example(TOK, {"prompt": "12*34=", "answer": "408"}, rng, copy_only=True)
     assert dec(ids) == "12*34=[12*34]>408|408" and mask == [0] * 6 + [0] * 8 + [0] * 5 + [1] * 4
-    for _ in range(20):
+    seen = set()
+    for _ in range(40):
         ids, mask = warmup_example(TOK, {"prompt": "12*34=", "answer": "408"}, rng)
         assert len(ids) == len(mask) and sum(mask) > 0 and mask[:6] == [0] * 6
+        seen.add(dec(ids))
+    # a tool call with the copied result, or the head answer (first factor times ten, wrong here)
+    assert seen == {"12*34=[12*34]>408|408", "12*34=120"}
+    assert head_answer("37*48=") == "370" and head_answer("37*10=") == str(37 * 10)

@@ -63,6 +63,8 @@ def test_trained_log_appends_and_truncates(tmp_path):
         "min_version": 0,
         "max_version": 1,
         "replica_min_version": {"": 0},  # per replica (these samples name none), its oldest token's version
+        "sample_spans": [1],  # the one sample's tokens came from versions 0 and 1
+        "turns": [0],  # a single-turn sample
     }
     assert log.truncate(1) == 1 and [r["uid"] for r in log.records()] == ["a", "b"]
     assert log.truncate(0) == 2 and log.records() == []

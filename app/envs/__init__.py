@@ -11,11 +11,21 @@ from typing import Any
 
 from app.envs.base import EnvFactory, Environment, EnvStep
 from app.envs.calculator import CalculatorEnv
+from app.envs.code_feedback import factory as code_feedback_envs
 
 ENVIRONMENTS: dict[str, Callable[[Any], EnvFactory]] = {
     # name -> (the run's config -> a factory of one environment per episode)
     "calculator": lambda cfg: CalculatorEnv,
+    "code_feedback": code_feedback_envs,
+    "openai_agent": lambda cfg: _openai_agent(cfg),
 }
+
+
+def _openai_agent(cfg: Any) -> EnvFactory:
+    """Agent code driving whole sessions through the OpenAI endpoint (app/rollout/agent_session.py)."""
+    from app.rollout.agent_session import AgentEpisodes
+
+    return AgentEpisodes(cfg)
 
 
 def make_factory(name: str, cfg: Any) -> EnvFactory | None:

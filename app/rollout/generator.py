@@ -110,7 +110,9 @@ class GroupGenerator:
                 "a multi-turn generator needs `encode` to tokenize the environment's observations"
             )
         self.encode = encode
-        self.episode = Episode(self, env, limits or EpisodeLimits()) if env is not None else None
+        lim = limits or EpisodeLimits()
+        make = getattr(env, "make_episode", None)  # runs whole episodes itself (env.name=openai_agent)
+        self.episode = None if env is None else make(self, lim) if make else Episode(self, env, lim)
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.inflight: set[str] = set()
         self.freezing = False

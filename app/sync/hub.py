@@ -55,6 +55,7 @@ class Member:
     pushes: int = 0
     first_served: dict[str, int] | None = None  # versions when it served its first rollout request
     node_ip: str = ""  # the Ray node it runs on
+    pid: int = 0  # its Serve replica actor's process on that node (for an operator, or a fault test)
     registered_version: int = -1  # the version current when it registered (what it must hold to serve)
     admitted_version: int | None = None  # the version of its first acknowledged push (it serves from then)
     left_at: float | None = None  # when it left, or was dropped
@@ -99,6 +100,7 @@ class WeightHub:
         started_at: float | None = None,
         node_ip: str = "",
         actor: Any = None,
+        pid: int = 0,
     ) -> int:
         """A replica asks to join; it becomes a member at the next epoch (the next push re-forms the group).
         `actor`: its actor handle, so that a new epoch leaves it out at once once Ray says it died.
@@ -114,6 +116,7 @@ class WeightHub:
             registered_at=now,
             started_at=started_at or now,
             node_ip=node_ip,
+            pid=pid,
             registered_version=first.registered_version if first else need,
             admitted_version=first.admitted_version if first else None,
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -69,7 +70,7 @@ class ReplicaSync:
         """Register, start both loops, and return once this replica may serve (see the module docstring)."""
         await vla.set_version(self.engine, self.version)
         need = await self.hub.register.remote(
-            self.replica_id, self.workers, self.started, _node_ip(), current_actor()
+            self.replica_id, self.workers, self.started, _node_ip(), current_actor(), os.getpid()
         )
         self.control = self._find_control()
         if self.control is not None:
@@ -166,7 +167,7 @@ class ReplicaSync:
                 return
             if isinstance(instr, Unknown):
                 await self.hub.register.remote(
-                    self.replica_id, self.workers, self.started, _node_ip(), current_actor()
+                    self.replica_id, self.workers, self.started, _node_ip(), current_actor(), os.getpid()
                 )
             elif isinstance(instr, Join):
                 await self._join(instr)

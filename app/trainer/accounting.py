@@ -34,6 +34,12 @@ class TrainedLog:
                     # per replica, the oldest version of the tokens it generated (a replacement replica
                     # must have served only weights at least as new as those current when it joined)
                     "replica_min_version": _replica_min_versions(g),
+                    # per sample, the versions its tokens span (max - min; > 0: a push landed while it was
+                    # generated) and its model turns (multi-turn episodes; 0 for single-turn samples)
+                    "sample_spans": [
+                        max(s.versions) - min(s.versions) if s.versions else 0 for s in g.samples
+                    ],
+                    "turns": [s.turns for s in g.samples],
                 }
                 f.write(json.dumps(rec) + "\n")
 

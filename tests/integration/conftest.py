@@ -27,15 +27,17 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
-def train_cmd(ray_cluster: dict, cache_dir: Path, tmp_path: Path, name: str, *overrides: str) -> list[str]:
-    """`python -m app train --config quick` on the shared cluster, run `name` under `tmp_path`."""
+def train_cmd(
+    ray_cluster: dict, cache_dir: Path, tmp_path: Path, name: str, *overrides: str, config: str = "quick"
+) -> list[str]:
+    """`python -m app train --config <config>` on the shared cluster, run `name` under `tmp_path`."""
     return [
         sys.executable,
         "-m",
         "app",
         "train",
         "--config",
-        "quick",
+        config,
         *overrides,
         f"ray.address={ray_cluster['address']}",
         f"ray.name={name}",
@@ -170,12 +172,14 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def rollout_stack(ray_cluster, cache_dir):
-    """A Serve rollout app (1 vLLM CPU replica), its weight hub and a rollouter, named 'it'."""
+    """A Serve rollout app (1 vLLM CPU replica), its weight hub and a rollouter, named 'it'; Serve's HTTP
+    proxy listens on 127.0.0.1:`http_port`."""
     import ray
     from ray import serve
 
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
+    from app.openai_api import start_http
     from app.rollouter import Rollouter, rollouter_name
     from app.serve_rollout import NAMESPACE, app_name, build_app
     from app.sync.actors import start_sync_actors
@@ -183,6 +187,8 @@ def rollout_stack(ray_cluster, cache_dir):
     cfg = load_config("quick", ["ray.name=it", f"model.cache_dir={cache_dir}", "sync.timeout_s=30"])
     inputs = resolve_inputs(cfg)
     hub, _control = start_sync_actors("it")  # the weight hub and the run control, as the driver makes them
+    # Serve's HTTP proxy (the OpenAI endpoint's) on a free loopback port, never the default 8000
+    http_port = start_http(0)
     handle = serve.run(build_app(cfg, inputs.model_path), name=app_name("it"), route_prefix=None)
     rollouter = (
         ray.remote(Rollouter)
@@ -193,7 +199,14 @@ def rollout_stack(ray_cluster, cache_dir):
     info = handle.info.remote().result(timeout_s=60)
     ray_cluster["leftover_pids"].extend(info["child_pids"])
     try:
-        yield {"cfg": cfg, "inputs": inputs, "hub": hub, "handle": handle, "rollouter": rollouter}
+        yield {
+            "cfg": cfg,
+            "inputs": inputs,
+            "hub": hub,
+            "handle": handle,
+            "rollouter": rollouter,
+            "http_port": http_port,
+        }
     finally:
         # (were this process no longer connected, Serve's calls would try to connect anew and hang; the
         # cluster's own teardown stops everything then)
