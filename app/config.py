@@ -284,7 +284,7 @@ class TrainConfig(_Section):
     micro_batch_size: int = 64
     """Sequences per forward/backward on one worker, right-padded to the longest (with
     `micro_batch_tokens=0`)."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 16384
     """Tokens per packed micro-batch: sequences are concatenated without padding (each attends only to
     itself) and packed into forward/backward passes of at most this many tokens (a longer sequence gets a
     pass of its own); `micro_batch_size` is then unused. 0: padded micro-batches of `micro_batch_size`."""
@@ -303,6 +303,20 @@ class TrainConfig(_Section):
     backward); false keeps them, trading memory for one all-gather per layer and step."""
     reduce_dtype: Dtype = "float32"
     """FSDP2 gradient reduction dtype with model.dtype=bfloat16 (`bfloat16` halves the reduce-scatter)."""
+    gather_once: Literal["auto", "on", "off"] = "auto"
+    """FSDP2 gradient accumulation: gather each layer's parameters once per step and keep them through every
+    micro-batch, accumulating unsharded gradients (in `reduce_dtype`) and reduce-scattering once at the end of
+    the step, instead of a gather and a reduce-scatter per micro-batch. Costs a full copy of the parameters
+    (compute dtype) and of the gradients (`reduce_dtype`) per rank while the step runs. `auto`: on with one
+    trainer rank (nothing is sharded there; +2.5 GiB at 1.5B), off with several (it would give up FSDP's
+    memory savings)."""
+    optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
+    """AdamW implementation: `fused` (one kernel per parameter group, step counters on the device: no host
+    reads in the step), `foreach` (torch's default), `auto` (fused on GPU, foreach on CPU)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/compiled.py: fewer passes over
+    the activations, fewer kernel launches, less memory saved for backward). `auto`: on with GPUs, off on CPU
+    (compiling costs more than it saves on small CPU runs)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

@@ -11,6 +11,7 @@ policy drifts give large but finite values (and zero gradient beyond the clamp).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -246,23 +247,51 @@ def _chunk_stats(
     return lse, logp, ent
 
 
+def _chunk_grad(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    grad_logp: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``d(grad_logp . logp) / d logits = grad_logp * (onehot(target) - softmax(logits))``, in ``dtype``."""
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (vocab == targets.unsqueeze(-1)).to(logits.dtype)
+    return ((onehot - torch.exp(logits - lse.unsqueeze(-1))) * grad_logp.unsqueeze(-1)).to(dtype)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _fused(name: str, x: torch.Tensor) -> Any:
+    """`torch.compile`d `_chunk_stats` / `_chunk_grad`: one or two kernels over a chunk of logits instead of
+    one per operation (each a pass over ``[c, V]`` float32). Rows vary (the last chunk), the vocabulary not."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        fn = _COMPILED[name] = torch.compile({"stats": _chunk_stats, "grad": _chunk_grad}[name])
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    return fn
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Target log-probs of ``hidden @ weight.T`` in chunks of rows; backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, with_entropy):
+    def forward(ctx, hidden, weight, targets, chunk, with_entropy, fused):
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_zeros(n, dtype=torch.float32)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            c_lse, c_logp, c_ent = _chunk_stats(_head_logits(hidden[s:e], weight), targets[s:e], with_entropy)
+            logits = _head_logits(hidden[s:e], weight)
+            stats = _fused("stats", logits) if fused else _chunk_stats
+            c_lse, c_logp, c_ent = stats(logits, targets[s:e], with_entropy)
             lse[s:e], logp[s:e] = c_lse, c_logp
             if c_ent is not None:
                 ent[s:e] = c_ent
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.fused = chunk, fused
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -276,17 +305,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(hidden.shape[0], s + ctx.chunk)
             h = hidden[s:e]
-            # d logp_t / d logits = onehot(target) - softmax(logits)
-            g = torch.exp(_head_logits(h, weight) - lse[s:e, None]).mul_(-grad_logp[s:e, None])
-            g.scatter_add_(-1, targets[s:e, None], grad_logp[s:e, None])
-            g = g.to(hidden.dtype)
+            logits = _head_logits(h, weight)
+            grad = _fused("grad", logits) if ctx.fused else _chunk_grad
+            g = grad(logits, lse[s:e], targets[s:e], grad_logp[s:e], hidden.dtype)
             if grad_h is not None:
                 grad_h[s:e] = g @ weight
             if grad_w is not None:
                 grad_w.add_(_mm_f32(g.t(), h))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -295,6 +323,7 @@ def chunked_token_logprobs(
     targets: torch.Tensor,
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` under ``softmax(hidden @ weight.T)``, without the ``[N, V]`` float32 logits.
 
@@ -305,10 +334,11 @@ def chunked_token_logprobs(
     gradients to ``hidden`` and ``weight`` (a tied input embedding gets its share through autograd).
     ``chunk_tokens <= 0`` computes all rows at once (the reference: :func:`token_logprobs` of the full
     logits). Returns float32 ``(logprobs [N], entropy [N] or None)``; the entropy carries no gradient.
+    ``fused`` runs each chunk's statistics and its gradient through `torch.compile`d kernels (same math).
     """
     if chunk_tokens <= 0:
         logits = _head_logits(hidden, weight)
         ent = entropy_from_logits(logits).detach() if with_entropy else None
         return token_logprobs(logits, targets), ent
-    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets.long(), int(chunk_tokens), with_entropy)
+    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets.long(), int(chunk_tokens), with_entropy, fused)
     return logp, (ent if with_entropy else None)

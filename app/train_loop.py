@@ -39,11 +39,13 @@ def build_fsdp_model(
     packed: bool = False,
     reshard_after_forward: bool = True,
     reduce_dtype: str = "float32",
+    compile_layers: bool = False,
 ) -> torch.nn.Module:
     """Load an HF causal LM and shard it with FSDP2: one `fully_shard` per decoder layer, then the root.
 
     Parameters are kept in float32; with `dtype=bfloat16` compute runs in bf16 and gradients are reduced in
-    `reduce_dtype`. `packed` routes attention through app/packing.py (packed micro-batches). The model gets
+    `reduce_dtype`. `packed` routes attention through app/packing.py (packed micro-batches); `compile_layers`
+    compiles the layers' RMSNorm and MLP (app/compiled.py). The model gets
     a `relay_scored_logprobs` method (see `scored_logprobs`), registered as an FSDP2 forward method so that
     the root's parameters (embedding, final norm, output embedding) are gathered while it runs.
     """
@@ -55,6 +57,11 @@ def build_fsdp_model(
         from app.packing import enable_packed_attention
 
         enable_packed_attention(model)
+    if compile_layers:
+        from app.compiled import compile_layers as compile_norms_and_mlps
+
+        compile_norms_and_mlps(model)
+        model.relay_compiled = True  # the chunked log-probs too (grpo.chunked_token_logprobs(fused=True))
     if activation_checkpointing and train:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -77,6 +84,15 @@ def build_fsdp_model(
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP2 module's gathered parameters (no-op for modules that are sharded already)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -198,7 +214,8 @@ def _scored_forward(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output embedding without bias")
-    return grpo.chunked_token_logprobs(h, head.weight, score_targets, chunk_tokens, with_entropy)
+    fused = getattr(model, "relay_compiled", False)
+    return grpo.chunked_token_logprobs(h, head.weight, score_targets, chunk_tokens, with_entropy, fused)
 
 
 def scored_logprobs(
@@ -246,17 +263,34 @@ class Learner:
         self.packed = t.micro_batch_tokens > 0
         # the old path (padded, full logits) stays as it was, for comparison
         self.reference_path = not self.packed and t.logprob_chunk_tokens == 0
+        on_gpu = device.type == "cuda"
         build = dict(
-            packed=self.packed, reshard_after_forward=t.reshard_after_forward, reduce_dtype=t.reduce_dtype
+            packed=self.packed,
+            reshard_after_forward=t.reshard_after_forward,
+            reduce_dtype=t.reduce_dtype,
+            compile_layers=t.compile == "on" or (t.compile == "auto" and on_gpu),
+        )
+        # gather_once keeps the gathered layers through the step (resharded after its last backward)
+        self.gather_once = dist.is_initialized() and (
+            t.gather_once == "on" or (t.gather_once == "auto" and self.world == 1)
         )
         self.model = build_fsdp_model(
-            model_path, cfg.model.dtype, device, t.activation_checkpointing, **build
+            model_path,
+            cfg.model.dtype,
+            device,
+            t.activation_checkpointing,
+            **{**build, "reshard_after_forward": t.reshard_after_forward and not self.gather_once},
         )
         self.ref = None
         if cfg.algorithm.kl_coef > 0 and cfg.ref.workers == 0:  # else the reference workers send them
             self.ref = build_fsdp_model(model_path, cfg.model.dtype, device, train=False, **build)
+        fused = t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and on_gpu)
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+            self.model.parameters(),
+            lr=t.lr,
+            betas=tuple(t.betas),
+            weight_decay=t.weight_decay,
+            **({"fused": True} if fused else {"foreach": None}),
         )
         warm = max(0, t.warmup_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -287,6 +321,9 @@ class Learner:
         sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64, device=self.device)  # _SUMS, is-weight max
         for k in range(n_micro):
             mb, weight = (mbs[k], 1.0) if k < len(mbs) else (filler, 0.0)
+            if self.gather_once:  # reduce-scatter and reshard only after the step's last backward
+                self.model.set_requires_gradient_sync(k == n_micro - 1)
+                self.model.set_reshard_after_backward(k == n_micro - 1)
             got = self._micro_step(mb, weight, total_tokens, float(len(rows)))
             sums[:-1] += got[:-1]
             sums[-1] = torch.maximum(sums[-1], got[-1])
@@ -433,6 +470,8 @@ class Learner:
         self.model.eval()
         with torch.no_grad():
             logp, _ = self.logprobs(self.model, mb)
+        if self.gather_once:  # without a backward the layers stay gathered (no reshard after forward):
+            _reshard(self.model)  # free them now rather than hold them until the next step ends
         return row_values(mb, logp, 0, row)
 
     def save_hf(self, path: str, tokenizer_path: str) -> None:

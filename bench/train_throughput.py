@@ -10,11 +10,18 @@ Variants (`--variants`, comma separated; levers appended with `+`):
   padded_full     the reference path: padded micro-batches of sequences, full float32 logits
   padded_chunked  padded micro-batches, chunked log-probs (`train.logprob_chunk_tokens`)
   packed_full     packed micro-batches (`train.micro_batch_tokens`), full logits of the scored tokens
-  packed_chunked  packed and chunked: the new default
+  packed_chunked  packed and chunked (the default of 2026-11-24)
+  default         the config's defaults as they are now
+  The four named layouts keep the second round's levers off (eager layers, foreach AdamW, a gather and a
+  reduce-scatter per micro-batch, 1,024-token log-prob chunks, 8,192 tokens per pass) unless a lever turns
+  one on; `default` takes every default.
   levers: +noreshard (`train.reshard_after_forward=false`), +bf16reduce (`train.reduce_dtype=bfloat16`),
-          +noentropy (`train.log_entropy=false`), +ac / +noac (activation checkpointing, overriding --ac)
-Both layouts get the same token budget per pass: `--micro-tokens` for packed, `max(1, micro_tokens //
-seq_len)` sequences for padded.
+          +noentropy (`train.log_entropy=false`), +ac / +noac (activation checkpointing, overriding --ac),
+          +fused / +foreach (`train.optimizer_impl`), +gather / +nogather (`train.gather_once`),
+          +compile / +nocompile (`train.compile`), +mtN (`train.micro_batch_tokens=N`),
+          +chunkN (`train.logprob_chunk_tokens=N`)
+Both layouts get the same token budget per pass: `--micro-tokens` (or +mtN; 0: the config's default) for
+packed, `max(1, micro_tokens // seq_len)` sequences for padded.
 
 Model FLOPs per step: 6 * N * tokens (N matmul parameters: every parameter except the input embedding,
 which is only read; with tied embeddings the shared matrix is the output projection) + 12 * layers * hidden
@@ -56,19 +63,35 @@ for p in (str(ROOT), str(Path(__file__).resolve().parent)):
 from sync_bandwidth import QWEN2_SHAPES  # noqa: E402
 
 PEAKS_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0}
+# the first round's settings (2026-11-24): what the named layouts measure unless a lever says otherwise
+ROUND1 = [
+    "train.compile=off",
+    "train.optimizer_impl=foreach",
+    "train.gather_once=off",
+    "train.logprob_chunk_tokens=1024",
+]
+ROUND1_MICRO_TOKENS = 8192
 BASES = {
-    "padded_full": ["train.micro_batch_tokens=0", "train.logprob_chunk_tokens=0"],
-    "padded_chunked": ["train.micro_batch_tokens=0"],
-    "packed_full": ["train.logprob_chunk_tokens=0"],
-    "packed_chunked": [],
+    "padded_full": [*ROUND1, "train.micro_batch_tokens=0", "train.logprob_chunk_tokens=0"],
+    "padded_chunked": [*ROUND1, "train.micro_batch_tokens=0"],
+    "packed_full": [*ROUND1, "train.logprob_chunk_tokens=0"],
+    "packed_chunked": ROUND1,
+    "default": [],
 }
 LEVERS = {
     "noreshard": ["train.reshard_after_forward=false"],
     "bf16reduce": ["train.reduce_dtype=bfloat16"],
     "noentropy": ["train.log_entropy=false"],
+    "fused": ["train.optimizer_impl=fused"],
+    "foreach": ["train.optimizer_impl=foreach"],
+    "gather": ["train.gather_once=on"],
+    "nogather": ["train.gather_once=off"],
+    "compile": ["train.compile=on"],
+    "nocompile": ["train.compile=off"],
     "ac": [],
     "noac": [],
 }
+NUMBERED = {"mt": "train.micro_batch_tokens", "chunk": "train.logprob_chunk_tokens"}
 
 
 def parse_seq_len(spec: str) -> tuple[int, int]:
@@ -80,18 +103,31 @@ def parse_seq_len(spec: str) -> tuple[int, int]:
     return t // 4, t - t // 4
 
 
-def variant_overrides(variant: str, seq_len: int, micro_tokens: int) -> tuple[list[str], bool | None]:
-    """Config overrides of a variant (and its activation-checkpointing lever, None: --ac decides)."""
+def _lever(lv: str) -> list[str] | None:
+    if lv in LEVERS:
+        return LEVERS[lv]
+    for prefix, key in NUMBERED.items():
+        if lv.startswith(prefix) and lv[len(prefix) :].isdigit():
+            return [f"{key}={int(lv[len(prefix) :])}"]
+    return None
+
+
+def variant_overrides(variant: str, seq_len: int, micro_tokens: int) -> tuple[list[str], bool | None, int]:
+    """Config overrides of a variant, its activation-checkpointing lever (None: --ac decides) and its token
+    budget per pass. Later overrides win: budget, then the base layout, then the levers."""
+    from app.config import TrainConfig
+
     base, *levers = variant.split("+")
-    if base not in BASES or any(lv not in LEVERS for lv in levers):
-        raise SystemExit(f"unknown variant {variant!r}: bases {sorted(BASES)}, levers {sorted(LEVERS)}")
-    keys = [
-        f"train.micro_batch_tokens={micro_tokens}",
-        f"train.micro_batch_size={max(1, micro_tokens // seq_len)}",
-    ]
-    keys += BASES[base] + [k for lv in levers for k in LEVERS[lv]]
+    if base not in BASES or any(_lever(lv) is None for lv in levers):
+        raise SystemExit(
+            f"unknown variant {variant!r}: bases {sorted(BASES)}, levers {sorted(LEVERS)}, mtN, chunkN"
+        )
+    budget = micro_tokens or (TrainConfig().micro_batch_tokens if base == "default" else ROUND1_MICRO_TOKENS)
+    budget = next((int(lv[2:]) for lv in levers if lv.startswith("mt") and lv[2:].isdigit()), budget)
+    keys = [f"train.micro_batch_size={max(1, budget // seq_len)}", f"train.micro_batch_tokens={budget}"]
+    keys += BASES[base] + [k for lv in levers if not lv.startswith("mt") for k in (_lever(lv) or [])]
     ac = True if "ac" in levers else False if "noac" in levers else None
-    return keys, ac
+    return keys, ac, budget
 
 
 def qwen2_config(size: str, max_len: int):
@@ -251,11 +287,11 @@ def run_case(
 
     prompt, response = parse_seq_len(spec)
     seq_len = prompt + response
-    keys, lever_ac = variant_overrides(variant, seq_len, args["micro_tokens"])
+    keys, lever_ac, budget = variant_overrides(variant, seq_len, args["micro_tokens"])
     ac = (
         lever_ac
         if lever_ac is not None
-        else (_auto_ac(size, max(seq_len, args["micro_tokens"]), dev) if ac == "auto" else ac)
+        else (_auto_ac(size, max(seq_len, budget), dev) if ac == "auto" else ac)
     )
     seqs = max(1, args["tokens_per_step"] // seq_len)
     batch = make_batch(QWEN2_SHAPES[size][5], seqs, min(args["n"], seqs), prompt, response, args["spread"])
@@ -349,14 +385,25 @@ def profile_step(learner: Any, batch: Any, dev: torch.device, rank: int, label: 
     tables = {}
     for key in ("device_time_total", "cpu_time_total") if dev.type == "cuda" else ("cpu_time_total",):
         try:
-            tables[key] = avg.table(sort_by=key, row_limit=18)
+            tables[key] = avg.table(sort_by=key, row_limit=25)
         except Exception as e:  # sort keys differ between torch versions
             tables[key] = f"(no table by {key}: {e})"
     counts = {
         e.key: e.count
         for e in avg
-        if e.key in ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaLaunchKernel")
+        if e.key
+        in (
+            "aten::item",
+            "aten::_local_scalar_dense",
+            "cudaStreamSynchronize",
+            "cudaLaunchKernel",
+            "cuLaunchKernel",
+            "cudaLaunchKernelExC",
+        )
     }
+    if dev.type == "cuda":  # kernel time summed over the step (overlapping streams counted twice)
+        counts["device_self_ms"] = round(sum(e.self_device_time_total for e in avg) / 1e3, 1)
+    counts["cpu_self_ms"] = round(sum(e.self_cpu_time_total for e in avg) / 1e3, 1)
     out.put({"profile": label, "tables": tables, "counts": counts})
 
 
@@ -373,7 +420,12 @@ def parse_args() -> tuple[argparse.Namespace, dict[str, Any]]:
     ap.add_argument("--tokens-per-step", type=int, default=65536, help="sequences per step: this / seq_len")
     ap.add_argument("--n", type=int, default=8, help="samples per group")
     ap.add_argument("--response-spread", type=float, default=0.0, help="response lengths in [(1-s) R, R]")
-    ap.add_argument("--micro-tokens", type=int, default=8192, help="tokens per forward/backward pass")
+    ap.add_argument(
+        "--micro-tokens",
+        type=int,
+        default=0,
+        help="tokens per forward/backward pass (0: the config's default)",
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak per GPU")

@@ -58,6 +58,22 @@ def test_chunked_matches_full_logprobs_and_gradients():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_fused_chunked_logprobs_match_eager():
+    """The compiled chunk kernels (train.compile) give the eager chunks' log-probs, entropy and gradients."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(23, 8, generator=g, requires_grad=True)
+    weight = torch.randn(VOCAB, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (23,), generator=g)
+    coef = torch.randn(23, generator=g)
+    for chunk in (5, 23):
+        out = {}
+        for fused in (False, True):
+            logp, ent = grpo.chunked_token_logprobs(hidden, weight, targets, chunk, True, fused=fused)
+            out[fused] = (logp, ent, *torch.autograd.grad((logp * coef).sum(), (hidden, weight)))
+        for a, b in zip(out[True], out[False], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_tied_embedding_gradient():
     """The output embedding is the input embedding: both uses of the matrix reach its gradient."""
     g = torch.Generator().manual_seed(1)
@@ -178,6 +194,13 @@ VARIANTS = {
     # a budget of 20 tokens: several micro-batches of several sequences each
     "packed_chunked": ["train.micro_batch_tokens=20", "train.logprob_chunk_tokens=3"],
     "packed_full": ["train.micro_batch_tokens=20", "train.logprob_chunk_tokens=0"],
+    # the GPU defaults of issue 15's second round, forced on: compiled RMSNorm/MLP and fused AdamW
+    "packed_chunked_compiled_fused": [
+        "train.micro_batch_tokens=20",
+        "train.logprob_chunk_tokens=3",
+        "train.compile=on",
+        "train.optimizer_impl=fused",
+    ],
 }
 
 
@@ -247,7 +270,8 @@ def _fsdp_one_rank(port: int, path: str, keys: list[str], q) -> None:
         learner = Learner(load_config(None, keys), path, torch.device("cpu"))
         m, g = step_with_grads(learner, _batch())
         lp = learner.logprobs_of([3, 4, 5], [6, 7])
-        q.put((m, {k: v.tolist() for k, v in g.items()}, lp))
+        m2 = learner.step(_batch())  # after a forward-only call: the updated weights, not a stale gather
+        q.put((m, {k: v.tolist() for k, v in g.items()}, lp, m2))
     except BaseException as e:
         q.put(repr(e))
         raise
@@ -255,9 +279,16 @@ def _fsdp_one_rank(port: int, path: str, keys: list[str], q) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path):
+@pytest.mark.parametrize(
+    "fast",
+    [[], ["train.gather_once=on", "train.optimizer_impl=fused", "train.compile=on"]],
+    ids=["packed_chunked", "gather_once_fused_compiled"],
+)
+def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path, fast):
     """Under FSDP2 (gloo, one rank) the packed, chunked step gathers the tied output embedding inside its
-    forward method and gives the reference step's loss and gradients."""
+    forward method and gives the reference step's loss and gradients; so does the fast path (layers gathered
+    once per step, gradients accumulated unsharded over the micro-batches, fused AdamW, compiled layers),
+    through the optimizer update, a forward-only call and a second step."""
     from app.sync import free_port
 
     path = _model_dir(tmp_path)
@@ -266,10 +297,11 @@ def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path):
     ref = Learner(load_config(None, [*common, *VARIANTS["padded_full"]]), path, torch.device("cpu"))
     ref_m, ref_g = step_with_grads(ref, _batch())
     ref_lp = ref.logprobs_of([3, 4, 5], [6, 7])
+    ref_m2 = ref.step(_batch())
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(
-        target=_fsdp_one_rank, args=(free_port(), path, [*common, *VARIANTS["packed_chunked"]], q)
+        target=_fsdp_one_rank, args=(free_port(), path, [*common, *VARIANTS["packed_chunked"], *fast], q)
     )
     proc.start()
     try:
@@ -279,13 +311,15 @@ def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path):
         if proc.is_alive():
             proc.kill()
     assert not isinstance(got, str), got
-    m, g, lp = got
+    m, g, lp, m2 = got
     for k, v in ref_m.items():
         assert m[k] == pytest.approx(v, abs=1e-5), k
     assert g.keys() == ref_g.keys() and "model.embed_tokens.weight" in g
     for k, v in ref_g.items():
         torch.testing.assert_close(torch.tensor(g[k]), v, atol=1e-5, rtol=0, msg=lambda s, k=k: f"{k}: {s}")
     assert lp == pytest.approx(ref_lp, abs=1e-5)
+    for k, v in ref_m2.items():
+        assert m2[k] == pytest.approx(v, abs=1e-5), ("second step", k)
 
 
 # ---------------------------------------------------------------- multi-turn loss masks
