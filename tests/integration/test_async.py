@@ -72,10 +72,6 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         "rollout.ignore_eos=true",
         "rollout.max_model_len=160",
         "rollout.max_inflight=6",
-        # generation is the bottleneck (4 sequences at a time), so admitted groups are still generating when
-        # a push lands, however fast or loaded the machine (with 256, a loaded machine once finished every
-        # admitted group before the trainer's push: no span, the test failed)
-        "rollout.max_num_seqs=4",
         "train.steps=100",  # the data (20 prompts, one epoch) ends the run first
         f"data.train={tmp_path / 'train.jsonl'}",
         "data.epochs=1",
