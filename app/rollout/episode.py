@@ -91,14 +91,7 @@ class Trajectory:
 
     def model_runs(self) -> list[tuple[int, int]]:
         """[start, end) spans of the model's turns."""
-        runs, start = [], None
-        for i, m in enumerate([*self.mask, 0]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                runs.append((start, i))
-                start = None
-        return runs
+        return mask_runs(self.mask)
 
     def sample(self, finish_reason: str) -> Sample:
         return Sample(
@@ -112,6 +105,18 @@ class Trajectory:
             env_s=self.env_s,
             replica=self.replica,
         )
+
+
+def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) spans of the 1s of a loss mask (the model's turns of a trajectory)."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
 
 
 def _fill_versions(vers: list[int | None]) -> list[int]:

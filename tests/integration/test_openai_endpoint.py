@@ -11,6 +11,7 @@ import itertools
 import openai
 
 from app.openai_api import ROUTE_PREFIX
+from app.rollout.episode import mask_runs
 
 SECOND = "max:1290="  # the agent's follow-up question (the tiny arithmetic model's alphabet)
 
@@ -78,7 +79,7 @@ def _client_session(port: int, handle, prompt: str, prompt_ids: list[int], tok) 
     model_lps = [lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m]
     assert model_lps == [lp for lps in reported for lp in lps]  # what the responses reported, exactly
     assert all(lp <= 0 for lp in model_lps)
-    runs = _runs(s.loss_mask)
+    runs = mask_runs(s.loss_mask)
     assert len(runs) == 3
     for (a, b), rel, r in zip(runs, relay, responses, strict=True):
         assert s.token_ids[a:b] == rel["token_ids"] and s.versions[a:b] == rel["versions"]
@@ -89,17 +90,6 @@ def _client_session(port: int, handle, prompt: str, prompt_ids: list[int], tok) 
         eos = [] if rel["token_ids"][-1] == tok.eos_token_id else [tok.eos_token_id]
         assert gap == eos + ids
     assert all(v == s.versions[0] for v in s.versions) and s.versions[0] >= -1
-
-
-def _runs(mask: list[int]) -> list[tuple[int, int]]:
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def _runner_group(cfg, rollout_stack, row, prompt_ids: list[int], tok) -> None:
@@ -129,7 +119,7 @@ def _runner_group(cfg, rollout_stack, row, prompt_ids: list[int], tok) -> None:
     g = asyncio.run(asyncio.wait_for(gen.group(prompt, seed=1, n=2), 120))
     for s in g.samples:
         assert s.reward_error is None and s.reward in (0.0, 1.0) and s.turns == 2
-        first, second = _runs(s.loss_mask)
+        first, second = mask_runs(s.loss_mask)
         assert first[0] == 0 and s.token_ids[
             second[0] - len(tok.encode(SECOND, add_special_tokens=False)) : second[0]
         ] == tok.encode(SECOND, add_special_tokens=False)
