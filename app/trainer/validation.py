@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from app.records import ValResult
 from app.trainer.comm import Actors
 
 log = logging.getLogger("app.train")
@@ -45,14 +46,14 @@ class Validator:
         self.pending = None
         return self.log(self.actors.get(ref, "validation"), version, step)
 
-    def log(self, res: Any, version: int, step: int) -> float:
+    def log(self, res: ValResult, version: int, step: int) -> float:
         self.tracker.metrics(
             {
                 "val/reward": res.reward,
                 "val/version": version,
                 "val/version_max": res.version_max,
                 "timing/val_s": res.seconds,
-                **getattr(res, "extra", {}),
+                **res.extra,  # e.g. multi-turn episodes' val/tool_call_rate, val/turns_mean
             },
             step,
         )
