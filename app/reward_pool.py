@@ -296,6 +296,12 @@ class RewardWorker:
         res = await loop.run_in_executor(self.executor, self.procs.score, data_source, text, answer)
         return asdict(res)
 
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in one of this worker's threads: an environment's blocking step (app/envs), such as
+        code_feedback's sandboxed tests, run here beside the rewards instead of in the rollouter."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, fn, *args)
+
 
 class RewardPool:
     """What the rollouter calls: `await pool.score(data_source, text, answer)` -> RewardResult."""
@@ -361,6 +367,21 @@ class RewardPool:
             return RewardResult(c.on_error, "exception", f"{type(e).__name__}: {e}")
         finally:
             self.busy[i] -= 1
+
+    async def offload(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` (blocking, picklable) beside generation: on the least busy reward worker when there are
+        any, sharing their concurrency with the rewards, else in a thread here. The environments' `Offload`
+        (app/envs/base.py). A worker that dies raises its RayActorError (the episode scores on_error); the
+        caller's deadline (env.step_timeout_s) bounds the wait."""
+        if not self.workers:
+            return await asyncio.to_thread(fn, *args)
+        async with self.sem:
+            i = min(range(len(self.workers)), key=self.busy.__getitem__)
+            self.busy[i] += 1
+            try:
+                return await self.workers[i].run.remote(fn, *args)
+            finally:
+                self.busy[i] -= 1
 
     def close(self) -> None:
         """Kill the local scoring processes (workers' processes die with their actors)."""

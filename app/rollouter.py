@@ -67,14 +67,15 @@ class Rollouter:
             refs = RefPool(cfg, model_path)
         self.stats: Counter[str] = Counter()
         handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
+        rewards = RewardPool(cfg.reward, cfg.ray.name)  # environments' blocking steps run beside rewards
         self.generator = GroupGenerator(
             ServeGenerate(handle, cfg.rollout.request_timeout_s, stats=self.stats),
             lambda ids: tok.decode(ids, skip_special_tokens=True),
-            RewardPool(cfg.reward, cfg.ray.name).score,
+            rewards.score,
             GenSettings.from_cfg(cfg),
             refs=refs,
             stats=self.stats,
-            env=make_factory(cfg.env.name, cfg),
+            env=make_factory(cfg.env.name, cfg, rewards.offload),
             encode=lambda text: list(tok.encode(text, add_special_tokens=False)),
             limits=EpisodeLimits.from_cfg(cfg),
         )

@@ -157,3 +157,19 @@ def test_preset():
         "builtin:code",
     )
     assert make_factory(cfg.env.name, cfg)().budget_s == 8.0
+
+
+def test_sandbox_runs_through_the_runs_offload():
+    """The environment's blocking step goes through the `Offload` it was built with (the rollouter passes
+    its reward pool's: the reward workers when there are any); the episode is the same either way."""
+    calls: list[tuple[str, float]] = []
+
+    async def offload(fn, *args):
+        calls.append((getattr(fn, "__name__", "?"), args[2]))
+        return await asyncio.to_thread(fn, *args)
+
+    cfg = SimpleNamespace(env=SimpleNamespace(step_timeout_s=5.0))
+    gen = _gen(Model(learner), make_factory("code_feedback", cfg, offload))
+    (s,) = asyncio.run(gen.group(PROMPT, seed=1)).samples
+    assert (s.reward, s.turns) == (1.0, 2)
+    assert calls == [("_check", 4.0), ("_check", 4.0)]  # both attempts, with the budget fitting the deadline

@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.envs.base import EnvFactory, Environment, EnvStep
+from app.envs.base import EnvFactory, Environment, EnvStep, Offload, in_thread
 from app.envs.calculator import CalculatorEnv
 from app.envs.code_feedback import factory as code_feedback_envs
 
-ENVIRONMENTS: dict[str, Callable[[Any], EnvFactory]] = {
-    # name -> (the run's config -> a factory of one environment per episode)
-    "calculator": lambda cfg: CalculatorEnv,
+ENVIRONMENTS: dict[str, Callable[[Any, Offload], EnvFactory]] = {
+    # name -> ((the run's config, where blocking work runs) -> a factory of one environment per episode)
+    "calculator": lambda cfg, offload: CalculatorEnv,
     "code_feedback": code_feedback_envs,
-    "openai_agent": lambda cfg: _openai_agent(cfg),
+    "openai_agent": lambda cfg, offload: _openai_agent(cfg),
 }
 
 
@@ -28,15 +28,16 @@ def _openai_agent(cfg: Any) -> EnvFactory:
     return AgentEpisodes(cfg)
 
 
-def make_factory(name: str, cfg: Any) -> EnvFactory | None:
-    """The factory of `env.name` (None for "": single-turn sampling)."""
+def make_factory(name: str, cfg: Any, offload: Offload = in_thread) -> EnvFactory | None:
+    """The factory of `env.name` (None for "": single-turn sampling); its environments run their blocking
+    work through `offload` (the rollouter passes its reward pool's: on reward workers when there are any)."""
     if not name:
         return None
     if name not in ENVIRONMENTS:
         raise ValueError(
             f"env.name={name!r} is not a registered environment; choose one of {sorted(ENVIRONMENTS)}"
         )
-    return ENVIRONMENTS[name](cfg)
+    return ENVIRONMENTS[name](cfg, offload)
 
 
-__all__ = ["ENVIRONMENTS", "EnvFactory", "EnvStep", "Environment", "make_factory"]
+__all__ = ["ENVIRONMENTS", "EnvFactory", "EnvStep", "Environment", "Offload", "in_thread", "make_factory"]

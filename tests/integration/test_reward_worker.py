@@ -1,10 +1,12 @@
 """A real RewardWorker actor on the shared cluster (`reward.workers=1`): a hostile math answer (an exponent
-tower) scores `on_error` within the reward deadline, and the scoring process killed for it is gone."""
+tower) scores `on_error` within the reward deadline, and the scoring process killed for it is gone; an
+environment's blocking steps run on the worker and a worker killed mid-step fails the step, not the run."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 import uuid
 
@@ -41,3 +43,54 @@ def test_exponent_towers_time_out_in_a_ray_reward_worker(ray_cluster):
     killed = [-p for p in pids if p < 0]
     assert len(killed) == len(TOWERS)
     assert not any(os.path.exists(f"/proc/{p}") for p in killed)  # no abandoned computation burns CPU
+
+
+def test_environment_steps_run_on_the_reward_workers(ray_cluster):
+    """`reward.workers=1`: the pool's `offload` (what environments get) runs a blocking function in the
+    worker actor, not here; code_feedback's sandboxed tests run there and report as they do locally; a
+    worker SIGKILLed mid-step raises (the episode scores on_error) instead of hanging, and Ray restarts it."""
+    import ray
+
+    from app.envs.code_feedback import CodeFeedbackEnv
+    from app.records import Prompt
+    from tests.test_code_feedback import PROBLEM, RIGHT, WRONG
+
+    cfg = load_config(None, ["reward.workers=1"]).reward
+    pool = RewardPool(cfg, f"t{uuid.uuid4().hex[:8]}")
+    prompt = Prompt(uid="c0", prompt_ids=[1], answer=PROBLEM.answer())
+
+    async def run() -> tuple[int, int, list, BaseException | None, int]:
+        (worker_pid,) = await pool.pids()
+        ran_in = await pool.offload(os.getpid)
+        env = CodeFeedbackEnv(offload=pool.offload)
+        await env.reset(prompt)
+        steps = [await env.step(WRONG), await env.step(RIGHT)]
+        slow = asyncio.ensure_future(pool.offload(time.sleep, 60))
+        await asyncio.sleep(1.0)  # the call is running in the worker
+        os.kill(worker_pid, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(slow, timeout=30)
+            err = None
+        except Exception as e:  # the worker's death, as the episode would see it
+            err = e
+        deadline = time.monotonic() + 120  # restarted by Ray (max_restarts=-1), on a loaded machine too
+        while True:
+            try:
+                back = await asyncio.wait_for(pool.offload(os.getpid), timeout=30)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+        return worker_pid, ran_in, steps, err, back
+
+    try:
+        worker_pid, ran_in, steps, err, back = asyncio.run(run())
+    finally:
+        for worker in pool.workers:
+            ray.kill(worker)
+    assert ran_in == worker_pid != os.getpid()
+    first, second = steps
+    assert not first.done and "ValueError" in first.observation and first.reward == 0.0
+    assert second.done and second.reward == 1.0
+    assert isinstance(err, ray.exceptions.RayActorError), err
+    assert back not in (worker_pid, os.getpid())
