@@ -96,6 +96,8 @@ def start_ray(cfg: DictConfig) -> bool:
     """Connect to (or start) Ray; returns True if this call started a local cluster."""
     import ray
 
+    from app import ray_compat
+
     if ray.is_initialized():
         return False
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "RELAY_LOG_LEVEL": cfg.log_level}
@@ -110,7 +112,10 @@ def start_ray(cfg: DictConfig) -> bool:
     if address:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
         return False
-    # address="local": a new cluster even where /tmp/ray/ray_current_cluster names a stale one
+    # address="local": a new cluster even where /tmp/ray/ray_current_cluster names a stale one; a stale
+    # record is dropped first, since Ray's address-less state queries (Ray Train's) would follow it
+    if stale := ray_compat.forget_stale_cluster_address():
+        log.info("forgot Ray's record of a stopped cluster at %s (as `ray stop` would)", stale)
     ray.init(address="local", num_cpus=cfg.ray.num_cpus, runtime_env={"env_vars": env}, log_to_driver=True)
     return True
 

@@ -22,6 +22,7 @@ costs nothing.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -123,3 +124,32 @@ async def actor_died(handle: Any, timeout_s: float = 2.0) -> bool:
     except Exception:
         return False
     return False
+
+
+def forget_stale_cluster_address(record: str | None = None, connect_timeout_s: float = 1.0) -> str | None:
+    """Remove Ray's record of the machine's latest `ray start` cluster (`record`, default
+    `ray_current_cluster` in Ray's temp folder) when nothing answers at its address any more, as `ray stop`
+    would have; returns the address forgotten (None: no record, or a live one). Ray's own address-less
+    state queries follow that record, even in a cluster started with `ray.init(address="local")`: Ray
+    Train's placement-group cleaner sent every run's controller check to a dead GCS (a traceback in the log,
+    no cleanup) after a `ray start --block` had been stopped by a signal."""
+    import contextlib
+    import socket
+
+    if record is None:
+        from ray._common.utils import get_ray_address_file
+
+        record = get_ray_address_file(None)
+    try:
+        with open(record) as f:
+            address = f.read().strip()
+    except OSError:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=connect_timeout_s):
+            return None
+    except (OSError, ValueError):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(record)
+        return address

@@ -156,6 +156,7 @@ def test_preset():
         "builtin:tiny-code",
         "builtin:code",
     )
+    assert cfg.reward.workers == 1  # the sandboxed attempts run on a reward worker, beside generation
     assert make_factory(cfg.env.name, cfg)().budget_s == 8.0
 
 

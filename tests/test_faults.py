@@ -267,3 +267,22 @@ def test_no_progress_bar_when_tqdm_is_disabled(monkeypatch):
     bar.set_description("y")
     bar.close()
     assert type(bar).__name__ == "_NoBar"
+
+
+def test_a_stale_ray_cluster_record_is_forgotten_and_a_live_one_kept(tmp_path):
+    """Ray's `ray_current_cluster` record of a stopped `ray start` (its port answers no more) is removed, as
+    `ray stop` would; a record of a live address, or none at all, is left alone."""
+    import socket
+
+    from app.ray_compat import forget_stale_cluster_address
+
+    record = tmp_path / "ray_current_cluster"
+    assert forget_stale_cluster_address(str(record)) is None  # no record
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        address = f"127.0.0.1:{live.getsockname()[1]}"
+        record.write_text(address)
+        assert forget_stale_cluster_address(str(record)) is None and record.read_text() == address
+    record.write_text(address)  # the listener is closed: nothing answers there now
+    assert forget_stale_cluster_address(str(record)) == address and not record.exists()

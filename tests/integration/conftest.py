@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from app.ray_compat import forget_stale_cluster_address
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -160,6 +162,7 @@ def ray_cluster():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=30)
+        forget_stale_cluster_address()  # stopped by a signal, the head left its record (`ray stop` would not)
         for pid in leftovers:  # vLLM engine processes of the replicas, if any outlived them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from app.ray_compat import forget_stale_cluster_address
 from tests.integration.conftest import REPO
 from tests.integration.test_loop import check_tracked_run
 
@@ -62,6 +63,7 @@ def _stop_head(head: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
         head.wait(timeout=30)
+    forget_stale_cluster_address()  # the stopped head's record, which Ray's state queries would follow
 
 
 def _ray(

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from app.ray_compat import forget_stale_cluster_address
 from tests.integration.conftest import REPO
 from tests.integration.test_async import _prompts
 
@@ -69,6 +70,7 @@ def _stop(nodes: list[subprocess.Popen]) -> None:
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    forget_stale_cluster_address()  # the stopped head's record, which Ray's state queries would follow
 
 
 def _running(pid: int) -> bool:
