@@ -572,6 +572,8 @@ class EnvConfig(_Section):
             f"{self.agent!r}: env.name=openai_agent runs the agent function named here; set "
             "env.agent=pkg.module:function (an async function (base_url, row) -> reward)",
         )
+        if self.name == "openai_agent" and ":" in self.agent:
+            _check_agent(f"{prefix}agent", self.agent)
 
 
 @dataclass
@@ -872,6 +874,17 @@ def _check_reward_fn(key: str, spec: str) -> None:
             hint = _did_you_mean(attr, [n for n in dir(sys.modules[module]) if not n.startswith("_")])
             hint = hint.replace("did you mean ", f"did you mean {module}{sep}")
         raise ConfigError(f"invalid value for '{key}': {e}{hint}") from None
+
+
+def _check_agent(key: str, spec: str) -> None:
+    """Resolve `env.agent` now, so a typo fails before Ray, Serve and vLLM start (the rollouter resolves it
+    again where it runs)."""
+    from app.rollout.agent_session import resolve_agent
+
+    try:
+        resolve_agent(spec)
+    except ValueError as e:
+        raise ConfigError(f"invalid value for '{key}': {e}") from None
 
 
 def validate(cfg: RelayConfig | DictConfig) -> None:

@@ -233,6 +233,11 @@ def test_config_and_agent_resolution():
     assert cfg.env.agent_timeout_s == 120.0 and cfg.env.http_port == 0
     with pytest.raises(ConfigError, match="env.agent.*set env.agent=pkg.module:function"):
         load_config(None, ["env.name=openai_agent"])
+    # a function that cannot be imported fails at load, before Ray and vLLM start, naming what is wrong
+    with pytest.raises(ConfigError, match=r"'env.agent'.*nope:fn.*cannot import it \(ModuleNotFoundError"):
+        load_config(None, ["env.name=openai_agent", "env.agent=nope:fn"])
+    with pytest.raises(ConfigError, match=r"'env.agent'.*must accept \(base_url, row\)"):
+        load_config(None, ["env.name=openai_agent", "env.agent=tests.test_agent_session:call"])
     assert resolve_agent("tests.test_agent_session:example_agent") is example_agent
     with pytest.raises(ValueError, match="cannot import it"):
         resolve_agent("tests.test_agent_session:nope")
