@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 from app.config import load_config
 from app.reward_pool import RewardPool
@@ -45,7 +46,13 @@ def test_exponent_towers_time_out_in_a_ray_reward_worker(ray_cluster):
     assert not any(os.path.exists(f"/proc/{p}") for p in killed)  # no abandoned computation burns CPU
 
 
-def test_environment_steps_run_on_the_reward_workers(ray_cluster):
+def _mark_and_sleep(path: str, seconds: float) -> None:
+    """An environment step that never ends by itself; it marks `path` once it runs."""
+    Path(path).touch()
+    time.sleep(seconds)
+
+
+def test_environment_steps_run_on_the_reward_workers(ray_cluster, tmp_path):
     """`reward.workers=1`: the pool's `offload` (what environments get) runs a blocking function in the
     worker actor, not here; code_feedback's sandboxed tests run there and report as they do locally; a
     worker SIGKILLed mid-step raises (the episode scores on_error) instead of hanging, and Ray restarts it."""
@@ -57,6 +64,7 @@ def test_environment_steps_run_on_the_reward_workers(ray_cluster):
 
     cfg = load_config(None, ["reward.workers=1"]).reward
     pool = RewardPool(cfg, f"t{uuid.uuid4().hex[:8]}")
+    started = tmp_path / "started"
     prompt = Prompt(uid="c0", prompt_ids=[1], answer=PROBLEM.answer())
 
     async def run() -> tuple[int, int, list, BaseException | None, int]:
@@ -65,8 +73,11 @@ def test_environment_steps_run_on_the_reward_workers(ray_cluster):
         env = CodeFeedbackEnv(offload=pool.offload)
         await env.reset(prompt)
         steps = [await env.step(WRONG), await env.step(RIGHT)]
-        slow = asyncio.ensure_future(pool.offload(time.sleep, 60))
-        await asyncio.sleep(1.0)  # the call is running in the worker
+        slow = asyncio.ensure_future(pool.offload(_mark_and_sleep, str(started), 60.0))
+        deadline = time.monotonic() + 60
+        while not started.exists():  # until the step is running in the worker (a loaded machine: seconds)
+            assert time.monotonic() < deadline and not slow.done(), "the offloaded step never started"
+            await asyncio.sleep(0.1)
         os.kill(worker_pid, signal.SIGKILL)
         try:
             await asyncio.wait_for(slow, timeout=30)
