@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -346,27 +347,34 @@ class RewardPool:
                 return await loop.run_in_executor(self.executor, self.procs.score, data_source, text, answer)
             return await self._remote(data_source, text, answer)
 
-    async def _remote(self, data_source: str, text: str, answer: str) -> RewardResult:
-        c = self.cfg
+    @contextlib.contextmanager
+    def _least_busy(self) -> Iterator[int]:
+        """The index of the worker with the fewest calls in flight, counted busy while the block runs."""
         i = min(range(len(self.workers)), key=self.busy.__getitem__)
         self.busy[i] += 1
         try:
-            ref = self.workers[i].score.remote(data_source, text, answer)
-            d = await asyncio.wait_for(ref, timeout=c.timeout_s + WORKER_MARGIN_S)
-            return RewardResult(**d)
-        except asyncio.TimeoutError:
-            return RewardResult(
-                c.on_error, "timeout", f"reward worker {i} did not answer within {c.timeout_s}s + margin"
-            )
-        except Exception as e:
-            import ray
-
-            if isinstance(e, ray.exceptions.RayActorError):
-                log.warning("reward worker %d died while scoring (restarting): %s", i, e)
-                return RewardResult(c.on_error, "crash", f"reward worker {i} died: {type(e).__name__}")
-            return RewardResult(c.on_error, "exception", f"{type(e).__name__}: {e}")
+            yield i
         finally:
             self.busy[i] -= 1
+
+    async def _remote(self, data_source: str, text: str, answer: str) -> RewardResult:
+        c = self.cfg
+        with self._least_busy() as i:
+            try:
+                ref = self.workers[i].score.remote(data_source, text, answer)
+                d = await asyncio.wait_for(ref, timeout=c.timeout_s + WORKER_MARGIN_S)
+                return RewardResult(**d)
+            except asyncio.TimeoutError:
+                return RewardResult(
+                    c.on_error, "timeout", f"reward worker {i} did not answer within {c.timeout_s}s + margin"
+                )
+            except Exception as e:
+                import ray
+
+                if isinstance(e, ray.exceptions.RayActorError):
+                    log.warning("reward worker %d died while scoring (restarting): %s", i, e)
+                    return RewardResult(c.on_error, "crash", f"reward worker {i} died: {type(e).__name__}")
+                return RewardResult(c.on_error, "exception", f"{type(e).__name__}: {e}")
 
     async def offload(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` (blocking, picklable) beside generation: on the least busy reward worker when there are
@@ -376,12 +384,8 @@ class RewardPool:
         if not self.workers:
             return await asyncio.to_thread(fn, *args)
         async with self.sem:
-            i = min(range(len(self.workers)), key=self.busy.__getitem__)
-            self.busy[i] += 1
-            try:
+            with self._least_busy() as i:
                 return await self.workers[i].run.remote(fn, *args)
-            finally:
-                self.busy[i] -= 1
 
     def close(self) -> None:
         """Kill the local scoring processes (workers' processes die with their actors)."""

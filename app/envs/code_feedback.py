@@ -4,10 +4,11 @@ A model turn is a program (a ```python block, as the task's prompt asks). The en
 row's hidden tests in the sandbox: app/sandbox.py `code_feedback`, the code reward's own path (the same
 isolation, per-test limits and budget), through the run's `Offload`, since the sandbox blocks: on a reward
 worker when `reward.workers > 0` (where the code reward's sandbox runs too), else in a rollouter thread.
-When every test passes the episode ends with reward 1. Otherwise the observation is a short report of the first failing test (which
-test and how: the program's last stderr line for a crash, the input and the program's output for a wrong
-answer; never the expected output), and the model tries again, up to `env.max_turns`. The reward is the
-last attempt's score: the fraction of tests it passed (the code reward's partial score).
+When every test passes the episode ends with reward 1. Otherwise the observation is a short report of the
+first failing test (which test and how: the program's last stderr line for a crash, the input and the
+program's output for a wrong answer; never the expected output), and the model tries again, up to
+`env.max_turns`. The reward is the last attempt's score: the fraction of tests it passed (the code
+reward's partial score).
 
 A sandbox that fails (SandboxError) or a step over `env.step_timeout_s` ends the episode with
 `reward.on_error`, counted as `env/errors_exception` / `env/errors_timeout` (app/rollout/episode.py). Each
