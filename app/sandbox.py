@@ -625,6 +625,10 @@ a loaded machine (sandbox start included) and only bites programs that sleep or 
 CODE_BUDGET_S = 8.0
 """Wall-clock budget of one `code_reward` call, below the default reward.timeout_s of 10 s."""
 
+TEST_PARALLEL = 4
+"""Most tests of one response that run at once (each in its own sandbox): a response's reward waits for its
+slowest test, not for the sum of them, so a trajectory is scored soon after it finishes."""
+
 
 def _check_test(
     program: str, test: dict[str, str], limits: SandboxLimits, deadline: float
@@ -640,6 +644,26 @@ def _check_test(
     if res.status != "ok":
         return res.status, res
     return ("pass" if _normalize(res.stdout) == _normalize(test["output"]) else "wrong_answer"), res
+
+
+def run_tests(
+    program: str,
+    tests: list[dict[str, str]],
+    limits: SandboxLimits = CODE_LIMITS,
+    deadline: float | None = None,
+    parallel: int = TEST_PARALLEL,
+) -> list[tuple[str, RunResult | None]]:
+    """`_check_test` for each test (in order), up to `parallel` of them at once, each in its own sandbox;
+    tests not started when `deadline` (monotonic; default: `CODE_BUDGET_S` from now) is near fail as
+    timeouts. Raises SandboxError when the sandbox itself fails."""
+    deadline = time.monotonic() + CODE_BUDGET_S if deadline is None else deadline
+    if parallel <= 1 or len(tests) <= 1:
+        return [_check_test(program, t, limits, deadline) for t in tests]
+    from concurrent.futures import ThreadPoolExecutor
+
+    # each run's thread waits for its sandbox to exit (the sandbox dies with that thread: pdeathsig)
+    with ThreadPoolExecutor(min(parallel, len(tests)), thread_name_prefix="sandbox-test") as pool:
+        return list(pool.map(lambda t: _check_test(program, t, limits, deadline), tests))
 
 
 def code_reward(
@@ -674,9 +698,7 @@ def code_feedback(
     output is never shown (a model could print it back). At most `max_chars` characters. Same deadlines
     and errors as `code_reward`."""
     tests = _parse_tests(answer)
-    program = extract_program(response)
-    deadline = time.monotonic() + budget_s
-    checked = [_check_test(program, t, limits, deadline) for t in tests]
+    checked = run_tests(extract_program(response), tests, limits, time.monotonic() + budget_s)
     outcomes = [o for o, _ in checked]
     passed = outcomes.count("pass")
     out: dict = {"score": passed / len(tests), "passed": passed, "total": len(tests)}

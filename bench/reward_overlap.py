@@ -45,15 +45,14 @@ TESTS = [("3 8 1 5", "8"), ("9 2 7 4", "9"), ("1 1 6 0", "6"), ("5 2 2 5", "5")]
 
 def sandbox_reward(response: str, answer: str) -> dict[str, float]:
     """The cost of a real code reward: sandboxed runs of a program on `--sandbox-tests` tests (a code task's
-    hidden tests), then exact match."""
-    from app.sandbox import run_program
+    hidden tests; up to `--test-parallel` of them at once, as `code_reward` runs them), then exact match."""
+    from app.sandbox import run_tests
 
     n = int(os.environ.get("RELAY_BENCH_SANDBOX_TESTS", "2"))
-    ok = 0
-    for i in range(n):
-        stdin, want = TESTS[i % len(TESTS)]
-        r = run_program(PROGRAM, stdin)
-        ok += int(r.status == "ok" and r.stdout.strip() == want)
+    parallel = int(os.environ.get("RELAY_BENCH_TEST_PARALLEL", "4"))
+    tests = [{"input": TESTS[i % len(TESTS)][0], "output": TESTS[i % len(TESTS)][1]} for i in range(n)]
+    checked = run_tests(PROGRAM, tests, deadline=time.monotonic() + 60, parallel=parallel)
+    ok = sum(outcome == "pass" for outcome, _ in checked)
     return {"score": exact_match(response, answer), "sandbox_tests_passed": ok / n}
 
 
@@ -68,6 +67,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--sandbox-tests", type=int, default=2, help="sandboxed runs per sample (hidden tests)")
+    ap.add_argument("--test-parallel", type=int, default=4, help="a sample's tests run at once (sandbox)")
     ap.add_argument("--rewards", default="delay,sandbox")
     ap.add_argument("--gpu", action="store_true", help="configs/gpu1.yaml: replica and trainer share one GPU")
     ap.add_argument("--cache-dir", default=".cache/relay")
@@ -106,6 +106,7 @@ def main() -> None:
     env = {
         "RELAY_BENCH_REWARD_DELAY_S": str(args.delay_s),
         "RELAY_BENCH_SANDBOX_TESTS": str(args.sandbox_tests),
+        "RELAY_BENCH_TEST_PARALLEL": str(args.test_parallel),
         "PYTHONPATH": str(Path.cwd()),
     }
     if os.environ.get("PYTHONPATH"):  # e.g. the GPU machine's overlay
@@ -150,6 +151,7 @@ def main() -> None:
         "samples_per_step": args.batch_groups * args.n,
         "delay_s": args.delay_s,
         "sandbox_tests": args.sandbox_tests,
+        "test_parallel": args.test_parallel,
         "reward_workers": args.workers,
         "max_concurrency": args.max_concurrency,
         "gpu": args.gpu,

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -427,6 +428,26 @@ def test_code_reward_stops_at_its_budget():
     out = code_reward("import time\ntime.sleep(60)", ADD, budget_s=1.5)
     assert time.monotonic() - t0 < 1.5 + SLACK_S
     assert out == {"score": 0.0, "passed": 0, "total": 3, "timeout": 1.0}
+
+
+def test_a_responses_tests_run_at_once_and_keep_their_order(monkeypatch):
+    """`run_tests` starts up to `parallel` sandboxes together: each run first waits at a barrier of all four
+    (it breaks, failing the test, if they ran one after another), then runs for real; outcomes stay in the
+    tests' order."""
+    barrier = threading.Barrier(4, timeout=60)
+    real = sandbox.run_program
+
+    def together(code, stdin="", limits=sandbox.CODE_LIMITS):
+        barrier.wait()
+        return real(code, stdin, limits)
+
+    monkeypatch.setattr(sandbox, "run_program", together)
+    program = "n = int(input())\nprint(1 // n if n != 7 else 'seven')"
+    tests = [{"input": "1\n", "output": "1"}, {"input": "0\n", "output": "0"}]
+    tests += [{"input": "7\n", "output": "7"}, {"input": "2\n", "output": "0"}]
+    checked = sandbox.run_tests(program, tests, parallel=4)
+    assert [outcome for outcome, _ in checked] == ["pass", "error", "wrong_answer", "pass"]
+    assert "ZeroDivisionError" in checked[1][1].stderr
 
 
 def test_code_reward_never_raises_for_garbage_output():
