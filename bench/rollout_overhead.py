@@ -6,8 +6,11 @@
 The embedded tiny model by default; `--shape 0.5b|1.5b|3b` builds a Qwen2.5-shaped model with random weights
 and a synthetic word-level tokenizer over the full 151,936-token vocabulary (prompts are random token ids).
 
-Runs the raw engine first (in this process), shuts it down, then the same requests through one Serve replica
-(the deployment of app/serve_rollout.py, weight-sync loop running). Prints a final JSON line with the ratio.
+Runs the raw engine in this process and the same requests through one Serve replica (the deployment of
+app/serve_rollout.py, weight-sync loop running). With `--interleave` (the default with `--gpu`) both engines
+stay up, each with its own share of the GPU, and the rounds alternate (raw, Serve, raw, ...), so that drifts
+of the machine hit both paths alike; otherwise the raw engine runs all its rounds and is shut down before the
+replica starts. Prints a final JSON line with the best-round and median-round ratios.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,47 +82,88 @@ def requests(prompts: list[list[int]], n: int, max_tokens: int) -> list[dict]:
     ]
 
 
-async def run_raw(model_path: str, engine_kw: dict, reqs: list[dict], rounds: int) -> list[float]:
-    engine = vla.create_engine(model_path, **engine_kw)
-    rates = []
-    try:
-        for r in range(rounds + 1):
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(
-                *[
-                    vla.generate(
-                        engine,
-                        q["prompt_ids"],
-                        n=q["n"],
-                        max_tokens=q["max_tokens"],
-                        temperature=1.0,
-                        top_p=1.0,
-                        version=0,
-                        seed=q["seed"],
-                        ignore_eos=True,
-                    )
-                    for q in reqs
-                ]
+async def rate_raw(engine, reqs: list[dict]) -> float:
+    """One round of `reqs` on the raw AsyncLLM: generated tokens/s."""
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(
+        *[
+            vla.generate(
+                engine,
+                q["prompt_ids"],
+                n=q["n"],
+                max_tokens=q["max_tokens"],
+                temperature=1.0,
+                top_p=1.0,
+                version=0,
+                seed=q["seed"],
+                ignore_eos=True,
             )
-            dt = time.perf_counter() - t0
-            toks = sum(len(s["token_ids"]) for o in outs for s in o)
-            if r > 0:  # round 0 warms up
-                rates.append(toks / dt)
+            for q in reqs
+        ]
+    )
+    return sum(len(s["token_ids"]) for o in outs for s in o) / (time.perf_counter() - t0)
+
+
+async def rate_serve(handle, reqs: list[dict]) -> float:
+    """One round of `reqs` through the Serve deployment: generated tokens/s."""
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[handle.generate.remote(GenerateRequest(**q)) for q in reqs])
+    return sum(len(s.token_ids) for o in outs for s in o.samples) / (time.perf_counter() - t0)
+
+
+def start_serve(cfg, model_path: str, gpu: bool):
+    """A local Ray cluster, the weight hub and one rollout replica (Relay's deployment): its handle."""
+    import ray
+    from ray import serve
+
+    from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
+    from app.sync import WeightHub
+
+    ray.init(
+        address="local", num_cpus=16, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False
+    )
+    hub = ray.remote(WeightHub).options(name=hub_name("bench"), namespace=NAMESPACE, num_cpus=0).remote()
+    ray.get(hub.status.remote())
+    return serve.run(build_app(cfg, model_path), name=app_name("bench"), route_prefix=None)
+
+
+def stop_serve() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+async def measure(cfg, model_path: str, engine_kw: dict, reqs: list[dict], args) -> tuple[list, list]:
+    """Tokens/s per round of each path (each path's first round warms up and is dropped).
+
+    `--interleave` keeps both engines up (each with its own share of the GPU) and alternates the rounds,
+    raw, Serve, raw, ...: drifts of the machine (clocks, other tenants) then hit both paths alike. Otherwise
+    the raw engine runs all its rounds and is shut down before the Serve replica starts."""
+    raw, served = [], []
+    engine = vla.create_engine(model_path, **engine_kw)
+    try:
+        if not args.interleave:
+            for r in range(args.rounds + 1):
+                rate = await rate_raw(engine, reqs)
+                raw += [rate] if r else []
+            vla.shutdown(engine)
+            engine = None
+        handle = start_serve(cfg, model_path, args.gpu)
+        try:
+            for r in range(args.rounds + 1):
+                if engine is not None:
+                    rate = await rate_raw(engine, reqs)
+                    raw += [rate] if r else []
+                rate = await rate_serve(handle, reqs)
+                served += [rate] if r else []
+        finally:
+            stop_serve()
     finally:
-        vla.shutdown(engine)
-    return rates
-
-
-async def run_serve(handle, reqs: list[dict], rounds: int) -> list[float]:
-    rates = []
-    for r in range(rounds + 1):
-        t0 = time.perf_counter()
-        outs = await asyncio.gather(*[handle.generate.remote(GenerateRequest(**q)) for q in reqs])
-        dt = time.perf_counter() - t0
-        toks = sum(len(s.token_ids) for o in outs for s in o.samples)
-        if r > 0:
-            rates.append(toks / dt)
-    return rates
+        if engine is not None:
+            vla.shutdown(engine)
+    return raw, served
 
 
 def main() -> None:
@@ -131,7 +176,15 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (key=value) for both paths")
     ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens with --shape")
     ap.add_argument("--gpu", action="store_true", help="vLLM on the GPU (configs/gpu1.yaml's replica share)")
+    ap.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="both engines up, rounds alternating (default: on with --gpu; each takes its own GPU share)",
+    )
     args = ap.parse_args()
+    if args.interleave is None:
+        args.interleave = args.gpu
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     max_len = args.prompt_len + args.max_tokens if args.shape else 256
     overrides = ["ray.name=bench", f"rollout.max_model_len={max_len}", *args.set]
@@ -161,32 +214,11 @@ def main() -> None:
         use_gpu=args.gpu,
         cuda_graphs=r.cuda_graphs,
     )
-    raw = asyncio.run(run_raw(model_path, engine_kw, reqs, args.rounds))
+    raw, served = asyncio.run(measure(cfg, model_path, engine_kw, reqs, args))
     log.info("raw AsyncLLM: %s tokens/s", [round(x) for x in raw])
-
-    import ray
-    from ray import serve
-
-    from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
-    from app.sync import WeightHub
-
-    ray.init(
-        address="local",
-        num_cpus=16,
-        num_gpus=1 if args.gpu else 0,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        hub = ray.remote(WeightHub).options(name=hub_name("bench"), namespace=NAMESPACE, num_cpus=0).remote()
-        ray.get(hub.status.remote())
-        handle = serve.run(build_app(cfg, model_path), name=app_name("bench"), route_prefix=None)
-        served = asyncio.run(run_serve(handle, reqs, args.rounds))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     log.info("Serve rollout: %s tokens/s", [round(x) for x in served])
     raw_best, serve_best = max(raw), max(served)
+    med = statistics.median
     result = {
         "bench": "rollout_overhead",
         "model": args.shape or "tiny",
@@ -197,6 +229,8 @@ def main() -> None:
         "raw_tokens_per_s": round(raw_best, 1),
         "serve_tokens_per_s": round(serve_best, 1),
         "serve_over_raw": round(serve_best / raw_best, 3),
+        "median_serve_over_raw": round(med(served) / med(raw), 3),
+        "interleaved": args.interleave,
         "raw_rounds": [round(x) for x in raw],
         "serve_rounds": [round(x) for x in served],
         "overrides": args.set,
