@@ -313,6 +313,11 @@ class TrainConfig(_Section):
     optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
     """AdamW implementation: `fused` (one kernel per parameter group, step counters on the device: no host
     reads in the step), `foreach` (torch's default), `auto` (fused on GPU, foreach on CPU)."""
+    cuda_alloc_conf: str = "auto"
+    """`PYTORCH_CUDA_ALLOC_CONF` of the GPU trainer workers. `auto`: `expandable_segments:True` (micro-batches
+    of varying length no longer fragment the caching allocator: a 1.5B step went from 1.33-1.41 s to 1.13 s on
+    an H100), unless the driver's environment sets the variable; `""`: torch's default; anything else is
+    passed as is. (The CUDA-IPC push allocates its staging buffer outside expandable segments.)"""
     compile: Literal["auto", "on", "off"] = "auto"
     """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/compiled.py: fewer passes over
     the activations, fewer kernel launches, less memory saved for backward). `auto`: on with GPUs, off on CPU
@@ -469,6 +474,9 @@ class AlgorithmConfig(_Section):
 class SyncConfig(_Section):
     bucket_mb: float = 256.0
     """Weights are packed into flat buckets of at most this many MiB per broadcast."""
+    ipc_bucket_mb: float = 1024.0
+    """Bucket size of the CUDA-IPC transport (its staging buffer lives on the trainer's GPU while a push
+    walks): fewer buckets, fewer control round trips (a 1.5B push: 3 buckets, 46 ms; 12 of 256 MiB, 70 ms)."""
     timeout_s: float = 60.0
     """Deadline of one push: transfer, load and every replica's acknowledgement."""
     backend: Backend = "auto"
@@ -483,6 +491,7 @@ class SyncConfig(_Section):
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "bucket_mb": rng("> 0"),
+        "ipc_bucket_mb": rng("> 0"),
         "timeout_s": _TIMEOUT,
     }
 

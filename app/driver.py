@@ -295,7 +295,7 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.resources import custom, role_env
+    from app.resources import custom, trainer_env
     from app.train_worker import train_worker
 
     t = cfg.train
@@ -328,8 +328,9 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
             storage_path=str(run.dir / "ray_train"),
             checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints),
             failure_config=FailureConfig(max_failures=t.max_failures),
-            # a CPU trainer never touches a GPU (FSDP2 would otherwise move its parameters to cuda:0)
-            worker_runtime_env={"env_vars": role_env(t.worker_gpus if t.use_gpu else 0)},
+            # a CPU trainer never touches a GPU (FSDP2 would otherwise move its parameters to cuda:0); a GPU
+            # one gets train.cuda_alloc_conf
+            worker_runtime_env={"env_vars": trainer_env(t)},
         ),
     )
 

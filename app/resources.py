@@ -25,6 +25,8 @@ refused a CPU replica (`check_placement`), a GPU replica's vLLM memory share fol
 from __future__ import annotations
 
 import importlib.metadata
+import os
+from collections.abc import Mapping
 from typing import Any
 
 # what a role given no GPU starts with (Ray sets it only for roles that asked for GPUs)
@@ -172,6 +174,27 @@ def check_nodes(cfg: Any, nodes: list[dict[str, float]]) -> None:
 def role_env(gpus: float) -> dict[str, str]:
     """Environment variables for a role's processes: a role given no GPU is hidden from every GPU."""
     return {} if gpus and gpus > 0 else dict(NO_GPU_ENV)
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE = "expandable_segments:True"
+
+
+def cuda_alloc_env(setting: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`train.cuda_alloc_conf` as environment variables for the GPU trainer workers: `auto` gives
+    expandable segments unless `environ` (the driver's) already sets the variable; "" leaves torch's default."""
+    environ = os.environ if environ is None else environ
+    if setting == "auto":
+        return {} if ALLOC_CONF in environ else {ALLOC_CONF: EXPANDABLE}
+    return {ALLOC_CONF: setting} if setting else {}
+
+
+def trainer_env(train: Any) -> dict[str, str]:
+    """Environment variables of the Ray Train workers (`cfg.train`): hidden from every GPU when they have
+    none; on GPUs, the caching allocator's configuration."""
+    if not train.use_gpu:
+        return role_env(0)
+    return {**role_env(train.worker_gpus), **cuda_alloc_env(str(train.cuda_alloc_conf))}
 
 
 def vllm_build() -> str | None:

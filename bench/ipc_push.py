@@ -1,6 +1,6 @@
 """CUDA-IPC weight push into a real vLLM engine on the same GPU, against a raw device-to-device copy.
 
-    python bench/ipc_push.py [--shapes 0.5b,1.5b,3b] [--pushes 3] [--bucket-mb 256]
+    python bench/ipc_push.py [--shapes 0.5b,1.5b,3b] [--pushes 3] [--bucket-mb 1024]
 
 For each Qwen2.5 shape: a vLLM AsyncLLM with random (dummy) weights and Relay's worker extension, and, in this
 process, a bf16 state dict of the same names on the same GPU (the trainer's side). Each push: the IPC
@@ -220,7 +220,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0.5b,1.5b,3b")
     ap.add_argument("--pushes", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=256.0)
+    ap.add_argument("--bucket-mb", type=float, default=1024.0, help="default: sync.ipc_bucket_mb")
     ap.add_argument("--gpu-util", type=float, default=0.4)
     ap.add_argument(
         "--loads", default="slots,weights,layerwise", help="slots (the GPU default), weights, layerwise"

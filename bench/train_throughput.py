@@ -62,6 +62,8 @@ for p in (str(ROOT), str(Path(__file__).resolve().parent)):
 
 from sync_bandwidth import QWEN2_SHAPES  # noqa: E402
 
+from app.resources import cuda_alloc_env  # noqa: E402
+
 PEAKS_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0}
 # the first round's settings (2026-11-24): what the named layouts measure unless a lever says otherwise
 ROUND1 = [
@@ -433,6 +435,11 @@ def parse_args() -> tuple[argparse.Namespace, dict[str, Any]]:
     ap.add_argument(
         "--profile", action="store_true", help="profile one step per variant of the first size and length"
     )
+    ap.add_argument(
+        "--alloc-conf",
+        default="auto",
+        help="PYTORCH_CUDA_ALLOC_CONF of the ranks, as train.cuda_alloc_conf (auto: expandable segments)",
+    )
     ns = ap.parse_args()
     if ns.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("train_throughput needs CUDA GPUs (or --device cpu)")
@@ -459,6 +466,7 @@ def parse_args() -> tuple[argparse.Namespace, dict[str, Any]]:
         "peak_tflops": peak,
         "workdir": ns.workdir or tempfile.mkdtemp(prefix="relay-train-bench-"),
         "profile": ns.profile,
+        "alloc_env": cuda_alloc_env(ns.alloc_conf) if ns.device == "cuda" else {},
     }
     for v in args["variants"]:
         variant_overrides(v, 1, 1)  # fail early on a typo
@@ -503,6 +511,7 @@ def main() -> None:
 
     from app.sync import free_port
 
+    os.environ.update(args["alloc_env"])  # the spawned ranks' allocator, as the trainer workers get it
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -528,6 +537,7 @@ def main() -> None:
         "gpus": world,
         "torch": torch.__version__,
         "peak_tflops_per_gpu": args["peak_tflops"],
+        "alloc_env": args["alloc_env"],
         "batch": {k: args[k] for k in ("tokens_per_step", "n", "spread", "micro_tokens")},
         "steps": args["steps"],
         "warmup": args["warmup"],

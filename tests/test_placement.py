@@ -5,6 +5,7 @@ without weight-version spans (vLLM 0.26)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 from types import SimpleNamespace
@@ -18,10 +19,12 @@ from app.resources import (
     auto_transport,
     check,
     check_placement,
+    cuda_alloc_env,
     demands,
     memory_share,
     resolve,
     role_env,
+    trainer_env,
 )
 from app.sync import TRANSPORTS, GroupInfo, free_port, plan_buckets, transport_class
 from app.sync import ipc as ipc_mod
@@ -77,6 +80,21 @@ def test_roles_without_gpu_are_hidden_from_gpus():
     assert role_env(0) == {"CUDA_VISIBLE_DEVICES": ""}
     assert role_env(0.0) == {"CUDA_VISIBLE_DEVICES": ""}
     assert role_env(0.4) == {} and role_env(1) == {}
+
+
+def test_gpu_trainers_get_expandable_segments_unless_told_otherwise():
+    gpu = load_config("gpu1", []).train
+    assert trainer_env(gpu) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} or (
+        "PYTORCH_CUDA_ALLOC_CONF" in os.environ and trainer_env(gpu) == {}
+    )
+    assert cuda_alloc_env("auto", {}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert (
+        cuda_alloc_env("auto", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
+    )  # the user's own
+    assert cuda_alloc_env("", {}) == {}
+    assert cuda_alloc_env("max_split_size_mb:64", {}) == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
+    cpu = load_config(None, ["train.cuda_alloc_conf=max_split_size_mb:64"]).train
+    assert trainer_env(cpu) == {"CUDA_VISIBLE_DEVICES": ""}  # a CPU trainer: hidden, no allocator settings
 
 
 def test_memory_share_follows_the_replica_share_unless_set():

@@ -117,6 +117,8 @@ class BroadcastTransport:
     """Today's transport: a `StatelessGroup` per epoch (gloo or NCCL, `GroupInfo.backend`), one broadcast
     per bucket. Subclasses change how a bucket travels by overriding `start` on both ends."""
 
+    bucket_setting = "bucket_mb"  # the sync config key of this transport's bucket size
+
     def __init__(self) -> None:
         self.group: StatelessGroup | None = None
 

@@ -16,8 +16,10 @@ ends (torch keeps its memory alive until every receiver's mapping is closed).
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -38,6 +40,24 @@ def _gpu_uuid(device: torch.device) -> torch.Tensor:
     out = torch.zeros(_UUID_BYTES, dtype=torch.uint8)
     out[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
     return out
+
+
+@contextlib.contextmanager
+def plain_segments() -> Iterator[None]:
+    """CUDA allocations made inside are ordinary `cudaMalloc` segments even where the process runs with
+    expandable segments (train.cuda_alloc_conf): an IPC handle of an expandable segment makes its peer fetch
+    a file descriptor from this process (pidfd_getfd, which ptrace rules can refuse), an ordinary one not.
+    (torch's allocator setting is private API: this is its one use.)"""
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or "expandable_segments:true" not in conf.lower().replace(" ", ""):
+        yield
+        return
+    setter("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:True")
 
 
 def export_handle(t: torch.Tensor) -> bytes:
@@ -61,6 +81,8 @@ def open_handle(meta: bytes, device: torch.device) -> torch.Tensor:
 @register_transport("ipc")
 class IpcTransport(BroadcastTransport):
     """CUDA IPC buckets on one GPU; a gloo group of the epoch carries the handles and the copy-done signals."""
+
+    bucket_setting = "ipc_bucket_mb"  # its own bucket size: the stage is on the GPU, round trips cost
 
     def __init__(self) -> None:
         super().__init__()
@@ -123,7 +145,8 @@ class IpcTransport(BroadcastTransport):
         stage: torch.Tensor | None = None
         if self.group is not None and plan.buckets:
             most = max(b.numel * _dtype(b.dtype).itemsize for b in plan.buckets)
-            stage = torch.empty(most, dtype=torch.uint8, device=device)
+            with plain_segments():
+                stage = torch.empty(most, dtype=torch.uint8, device=device)
         for bucket in plan.buckets:
             t0 = time.perf_counter()
             tensors = gather([t.name for t in bucket.tensors])

@@ -192,7 +192,8 @@ class TrainerSync:
         import ray
 
         s = self.cfg.sync
-        plan = plan_buckets(self.learner.push_specs(), int(s.bucket_mb * 2**20), version)
+        mb = float(getattr(s, getattr(self.walker, "bucket_setting", "bucket_mb"), s.bucket_mb))
+        plan = plan_buckets(self.learner.push_specs(), int(mb * 2**20), version)
         deadline = time.monotonic() + self._budget_s()
         tries = 0
         while True:
