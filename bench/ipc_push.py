@@ -220,7 +220,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0.5b,1.5b,3b")
     ap.add_argument("--pushes", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=float, default=1024.0, help="default: sync.ipc_bucket_mb")
+    from app.config import SyncConfig
+
+    ap.add_argument(
+        "--bucket-mb", type=float, default=SyncConfig.ipc_bucket_mb, help="default: sync.ipc_bucket_mb"
+    )
     ap.add_argument("--gpu-util", type=float, default=0.4)
     ap.add_argument(
         "--loads", default="slots,weights,layerwise", help="slots (the GPU default), weights, layerwise"
