@@ -66,6 +66,7 @@ class Rollouter:
 
             refs = RefPool(cfg, model_path)
         self.stats: Counter[str] = Counter()
+        self._scoring_after_s = 0.0  # a sync batch's scoring after generation (reward.overlap=false)
         handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
         rewards = RewardPool(cfg.reward, cfg.ray.name)  # environments' blocking steps run beside rewards
         self.generator = GroupGenerator(
@@ -112,6 +113,7 @@ class Rollouter:
         gen = self.stream.generation
         ready = self.producer.ready
         restored = [ready.popleft() for _ in range(min(num_groups, len(ready)))]
+        self._scoring_after_s = 0.0
         keep, drop = await filtering.fill(
             num_groups, restored, lambda k: self._fresh_groups(k, gen), self.cfg.algorithm.filter_groups
         )
@@ -124,7 +126,10 @@ class Rollouter:
             dropped_overlong=self.stream.dropped_overlong,
             reward_errors=reward_errors(self.stats),
             filtered=drop,
-            extra={"async/filtered_groups": float(self.stats["async/filtered_groups"])},
+            extra={
+                "async/filtered_groups": float(self.stats["async/filtered_groups"]),
+                **({} if self.cfg.reward.overlap else {"timing/reward_after_s": self._scoring_after_s}),
+            },
         )
 
     async def _fresh_groups(self, k: int, gen: int) -> list[Group]:
@@ -139,7 +144,8 @@ class Rollouter:
         if not overlap:  # the baseline: score the batch once all of it is generated
             t_gen = time.perf_counter() - t0
             fresh = await asyncio.gather(*[self.generator.score_group(g) for g in fresh])
-            self.stats["timing/reward_after_s"] = time.perf_counter() - t0 - t_gen
+            self._scoring_after_s += time.perf_counter() - t0 - t_gen  # this batch's, for its metrics
+            self.stats["timing/reward_after_s"] = self._scoring_after_s
         if gen != self.stream.generation:
             raise RuntimeError("this batch request was superseded by a restore from a checkpoint")
         return list(fresh)

@@ -101,9 +101,11 @@ def check_tracked_run(res: dict, initial_model: Path, mode: str) -> None:
 
 def test_one_step_off_code_task_end_to_end(ray_cluster, cache_dir, tmp_path):
     """one_step_off with every side role, on builtin:code with the tiny ASCII model: programs run against
-    each problem's tests in the sandbox, on a CPU reward worker, as each trajectory finishes; reference
-    log-probs for the KL penalty come from a reference worker, not the trainer. Reward, sub-scores (tests
-    passed, failure kinds), staleness (exactly one version after the first batch) reach MLflow."""
+    each problem's tests in the sandbox, on a CPU reward worker, once each batch is generated
+    (`reward.overlap=false`, the baseline of bench/reward_overlap.py: every other run here scores each
+    trajectory as it finishes); reference log-probs for the KL penalty come from a reference worker, not the
+    trainer. Reward, sub-scores (tests passed, failure kinds), staleness (exactly one version after the first
+    batch) and the scoring time of each batch reach MLflow."""
     from mlflow.tracking import MlflowClient
 
     cmd = train_cmd(
@@ -121,6 +123,7 @@ def test_one_step_off_code_task_end_to_end(ray_cluster, cache_dir, tmp_path):
         "rollout.max_model_len=512",
         "train.batch_groups=4",
         "reward.workers=1",
+        "reward.overlap=false",
         "ref.workers=1",
         "algorithm.kl_coef=0.05",
     )
@@ -157,3 +160,5 @@ def test_one_step_off_code_task_end_to_end(ray_cluster, cache_dir, tmp_path):
     assert client.get_metric_history(res["run_id"], "reward/sub/total")[-1].value == 3  # three hidden tests
     kinds = {"reward/sub/error", "reward/sub/wrong_answer", "reward/sub/timeout", "reward/sub/output_limit"}
     assert keys & kinds, keys  # how the programs failed, by kind
+    scoring = [m.value for m in client.get_metric_history(res["run_id"], "timing/reward_after_s")]
+    assert len(scoring) == 4 and all(v > 0 for v in scoring), scoring  # each batch scored after generation
