@@ -9,13 +9,21 @@ transport (app/sync/ipc.py) as rank 0 and the engine's worker as rank 1, exactly
 loading (`--loads`: slots, load_weights, layerwise reload). Reports the push time (trainer walk and the
 replica's pause), the raw copy of the same bytes, that the checksums match, and that every way of loading
 left the same parameters. Prints one JSON line per shape.
+
+The generation pause as a client sees it: a probe request streams its tokens through the pushes, and each
+push's token gap (the longest wait between two of the probe's tokens across the push) is set against the
+engine's steady step (the median wait between tokens away from pushes). `lost_s` = gap - step is the
+generation time the push took away: the pause call's wait for the step in flight is not in it (that step
+still produces tokens), the load and the recompute of the frozen requests' KV cache after it are.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import statistics
 import sys
 import tempfile
 import threading
@@ -91,6 +99,7 @@ async def push(engine, state: dict, version: int, bucket_mb: float, loop, load: 
     t2 = time.perf_counter()
     stats = box["stats"]
     return {
+        "window": (t0, t1),  # when generation was stopped, for the probe's token gaps
         "push_s": max(t1, t2) - t0,
         "pause_s": t1 - t0,  # generation stopped: pause call to resume's return
         "pause_call_s": t_paused - t0,
@@ -102,6 +111,48 @@ async def push(engine, state: dict, version: int, bucket_mb: float, loop, load: 
         "checksums_match": res[0]["checksums"] == stats.checksums,
         "nbytes": stats.nbytes,
         "buckets": stats.buckets,
+    }
+
+
+async def probe(engine, stamps: list[float], stop: asyncio.Event) -> None:
+    """Stream one request's tokens, recording when each output arrives, until `stop` (new requests when one
+    ends)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        n=1,
+        max_tokens=1900,
+        temperature=1.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+    k = 0
+    while not stop.is_set():
+        k += 1
+        async for _ in engine.generate({"prompt_token_ids": [5, 6, 7, 8] * 4}, params, f"probe-{k}"):
+            stamps.append(time.perf_counter())
+            if stop.is_set():
+                await engine.abort(f"probe-{k}")
+                break
+
+
+def token_gaps(stamps: list[float], windows: list[tuple[float, float]]) -> dict:
+    """Per push window (start, end): the longest wait between consecutive probe tokens that overlaps it;
+    the steady step: the median wait between tokens that overlap no window."""
+    waits = list(itertools.pairwise(stamps))
+
+    def overlaps(a: float, b: float, w: tuple[float, float]) -> bool:
+        return b > w[0] and a < w[1]
+
+    steady = [b - a for a, b in waits if not any(overlaps(a, b, w) for w in windows)]
+    step = statistics.median(steady) if steady else float("nan")
+    gaps = [max((b - a for a, b in waits if overlaps(a, b, w)), default=float("nan")) for w in windows]
+    return {
+        "step_s": round(step, 5),
+        "gap_s": [round(g, 4) for g in gaps],
+        "lost_s": [round(g - step, 4) for g in gaps],
     }
 
 
@@ -122,6 +173,7 @@ def raw_copy_s(state: dict) -> float:
 
 SENDER = None
 CUDA_GRAPHS = False
+GAP_S = 0.3  # between pushes
 
 
 async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float, loads: list[str]) -> dict:
@@ -178,6 +230,9 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
             )
             for _ in range(16)
         ]
+        stamps: list[float] = []
+        stop = asyncio.Event()
+        prober = asyncio.ensure_future(probe(engine, stamps, stop))
         await asyncio.sleep(0.5)  # requests in flight: the pause freezes them (keep)
         runs: dict[str, list[dict]] = {}
         digests: dict[str, dict] = {}
@@ -189,8 +244,11 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
                 in_flight = sum(not g.done() for g in gen)
                 r = await push(engine, state, version, bucket_mb, loop, load=load)
                 runs[load].append({**r, "requests_in_flight": in_flight})
+                await asyncio.sleep(GAP_S)  # steady steps between pushes, and a push lands anywhere in a step
             # the same state was pushed: every way of loading must leave the same parameters
             digests[load] = (await vla.rpc(engine, "relay_params_digest"))[0]
+        stop.set()
+        await prober
         outs = await asyncio.gather(*gen)
         versions = sorted({v for o in outs for s in o for v in s["versions"]})
         raw = raw_copy_s(state)
@@ -206,8 +264,11 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
         "params": len(next(iter(digests.values()), {})),
     }
     for load, rs in runs.items():
+        gaps = token_gaps(stamps, [r.pop("window") for r in rs][1:])
         best = min(rs[1:], key=lambda r: r["push_s"])
         out[load] = {
+            "token_gap": gaps,
+            "push_median_s": round(statistics.median(r["push_s"] for r in rs[1:]), 4),
             "push_s": [round(r["push_s"], 4) for r in rs],
             "pause_s": [round(r["pause_s"], 4) for r in rs],
             "best": best,
