@@ -207,6 +207,12 @@ class RolloutConfig(_Section):
     """What a push does to generations in flight: `keep` freezes them and continues under the new weights
     (KV cache recomputed), `resubmit` aborts them and resubmits prompt + partial response, `off` lets them
     finish under the old weights before loading. Tokens always keep the version that produced them."""
+    recompute_kv: bool = True
+    """With `partial=keep`: after a push, the frozen generations' KV cache is recomputed with the new weights
+    (a prefill of every context in flight, each push: on one H100 it took 76-277 ms of generation with 64
+    sequences of a 1.5B model, docs/benchmarks.md). false keeps the cache (PipelineRL's in-flight update): the
+    pause is the load alone, and the tokens after a push attend to keys and values the old weights computed.
+    Their behaviour log-probs are what the sampler saw, so the off-policy correction still applies."""
     join_timeout_s: float = 600.0
     """Deadline for a replica started mid-run to receive the current weights before it may serve."""
     replica_cpus: float = 1.0
@@ -258,6 +264,13 @@ class RolloutConfig(_Section):
             self.lengths == "fixed" or self.ignore_eos,
             f"{self.lengths!r}: a length distribution needs {prefix}ignore_eos=true (else EOS ends responses "
             "early)",
+        )
+        _check(
+            f"{prefix}recompute_kv",
+            self.recompute_kv or self.partial == "keep",
+            f"false applies to {prefix}partial=keep only (it is {self.partial!r}: its generations are "
+            f"{'resubmitted' if self.partial == 'resubmit' else 'finished before the load'}, nothing is "
+            "frozen); drop it or set partial=keep",
         )
         _check(
             f"{prefix}max_replicas",

@@ -56,6 +56,7 @@ class RolloutServer:
         join_timeout_s: float = 600.0,
         partial: str = "keep",
         control: str | None = None,
+        recompute_kv: bool = True,
     ) -> None:
         import ray
 
@@ -76,6 +77,7 @@ class RolloutServer:
             hub=self.hub,
             control=control,
             partial=partial,
+            recompute_kv=recompute_kv,
             poll_s=poll_s,
             metrics=self.metrics,
             started=self.started,
@@ -203,4 +205,5 @@ def build_app(cfg, model_path: str):
         r.join_timeout_s,
         r.partial,
         control=control_name(cfg.ray.name),
+        recompute_kv=r.recompute_kv,
     )

@@ -89,7 +89,7 @@ async def push(engine, state: dict, version: int, bucket_mb: float, loop, load: 
 
     th = threading.Thread(target=send)
     th.start()
-    await vla.pause(engine, "keep")
+    await vla.pause(engine, "keep", RECOMPUTE_KV)
     t_paused = time.perf_counter()
     res = await vla.rpc(engine, "relay_receive", plan_json=plan_to_json(plan), load=load)
     await vla.set_version(engine, version)
@@ -174,6 +174,7 @@ def raw_copy_s(state: dict) -> float:
 SENDER = None
 CUDA_GRAPHS = False
 GAP_S = 0.3  # between pushes
+RECOMPUTE_KV = True  # rollout.recompute_kv
 
 
 async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float, loads: list[str]) -> dict:
@@ -258,6 +259,8 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
     out = {
         "bench": "ipc_push",
         "shape": shape,
+        "cuda_graphs": CUDA_GRAPHS,
+        "recompute_kv": RECOMPUTE_KV,
         "raw_copy_s": round(raw, 5),
         "token_versions_seen": versions,
         "params_equal_across_loads": len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1,
@@ -291,9 +294,12 @@ def main() -> None:
         "--loads", default="slots,weights,layerwise", help="slots (the GPU default), weights, layerwise"
     )
     ap.add_argument("--cuda-graphs", action="store_true", help="the engine captures CUDA graphs")
+    ap.add_argument(
+        "--keep-kv", action="store_true", help="rollout.recompute_kv=false: frozen requests keep KV"
+    )
     a = ap.parse_args()
-    global CUDA_GRAPHS
-    CUDA_GRAPHS = a.cuda_graphs
+    global CUDA_GRAPHS, RECOMPUTE_KV
+    CUDA_GRAPHS, RECOMPUTE_KV = a.cuda_graphs, not a.keep_kv
     for shape in a.shapes.split(","):
         res = asyncio.run(bench_shape(shape, a.pushes, a.bucket_mb, a.gpu_util, a.loads.split(",")))
         sys.stdout.write(json.dumps(res) + "\n")

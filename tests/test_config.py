@@ -186,6 +186,16 @@ def test_bad_settings_are_refused_at_load(override, key, fragment):
     assert f"invalid value for '{key}'" in msg and fragment in msg, msg
 
 
+@pytest.mark.parametrize("partial", ["off", "resubmit"])
+def test_kept_kv_cache_needs_partial_keep(partial):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.recompute_kv=false", f"rollout.partial={partial}"])
+    assert "invalid value for 'rollout.recompute_kv'" in str(e.value) and "set partial=keep" in str(e.value)
+    assert (
+        load_config(None, ["rollout.recompute_kv=false"]).rollout.recompute_kv is False
+    )  # keep: the default
+
+
 def test_range_message_names_value_range_and_fix():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["train.grad_clip=0"])

@@ -47,13 +47,15 @@ class ReplicaSync:
         hub: Any,
         control: str | None,
         partial: str = "keep",
+        recompute_kv: bool = True,
         poll_s: float = 2.0,
         metrics: Any = None,
         started: float | None = None,
     ) -> None:
         self.engine, self.replica_id, self.hub = engine, replica_id, hub
         self.control_name, self.control = control, None
-        self.partial, self.poll_s, self.metrics = partial, poll_s, metrics
+        self.partial, self.recompute_kv = partial, recompute_kv
+        self.poll_s, self.metrics = poll_s, metrics
         self.started = started or time.time()
         self.workers = 1  # tensor parallel size; each worker is one receiver rank
         self.version = -1  # weights from disk, not yet verified against the trainer's
@@ -232,7 +234,7 @@ class ReplicaSync:
     async def _receive(self, plan: PushPlan) -> None:
         t0 = time.perf_counter()
         try:
-            await vla.pause(self.engine, self.partial)
+            await vla.pause(self.engine, self.partial, self.recompute_kv)
             try:
                 res = await vla.rpc(self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan))
             finally:

@@ -318,19 +318,24 @@ async def rpc(engine: Any, method: str, timeout: float | None = None, **kwargs: 
     return await engine.collective_rpc(method, timeout=timeout, kwargs=kwargs)
 
 
-async def pause(engine: Any, partial: str = "keep") -> None:
+async def pause(engine: Any, partial: str = "keep", recompute_kv: bool = True) -> None:
     """Pause generation for a weight load. `keep`: in-flight requests freeze and continue after resume with
     their KV cache recomputed; `resubmit`: they are aborted (the caller resubmits them); `off`: they finish
     under the old weights first. (`check_capabilities` made sure the engine has it: never skipped.)
+
+    `recompute_kv=False` (keep only) leaves the frozen requests' KV cache as the old weights computed it
+    (vLLM's `clear_cache=False`: they stay scheduled, nothing is preempted or recomputed).
 
     `keep` goes to the engine core directly: `pause_generation` adds a fixed 20 ms sleep so that outputs
     sampled before the pause are processed when it returns; the version book reads them only at
     `set_version`, after the load, so a keep-mode pause (the one on the push's critical path) skips it."""
     core = getattr(engine, "engine_core", None)
     if partial == "keep" and hasattr(core, "pause_scheduler_async"):
-        await core.pause_scheduler_async(mode="keep", clear_cache=True)
+        await core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv)
     else:
-        await engine.pause_generation(mode=PAUSE_MODES[partial], clear_cache=True)
+        await engine.pause_generation(
+            mode=PAUSE_MODES[partial], clear_cache=recompute_kv or partial != "keep"
+        )
     book = _book(engine)
     if book is not None:  # frozen requests resume under the next version: mark them at `set_version`
         book.pending = partial == "keep"

@@ -76,6 +76,9 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         # push is more likely to land while they are in flight (CI once saw every group finish between pushes).
         # Not for `off`: a group's samples queued in vLLM behind max_num_seqs start after the push there
         *(["rollout.max_num_seqs=2"] if partial == "keep" else []),
+        # keep: the frozen generations keep their KV cache (PipelineRL's in-flight update); the default,
+        # recomputing it, runs in test_multiturn's fully_async keep episodes
+        *(["rollout.recompute_kv=false"] if partial == "keep" else []),
         "train.steps=100",  # the data (20 prompts, one epoch) ends the run first
         f"data.train={tmp_path / 'train.jsonl'}",
         "data.epochs=1",
