@@ -57,6 +57,7 @@ class RolloutServer:
         partial: str = "keep",
         control: str | None = None,
         recompute_kv: bool = True,
+        drain_timeout_s: float = 120.0,
     ) -> None:
         import ray
 
@@ -78,6 +79,7 @@ class RolloutServer:
             control=control,
             partial=partial,
             recompute_kv=recompute_kv,
+            drain_timeout_s=drain_timeout_s,
             poll_s=poll_s,
             metrics=self.metrics,
             started=self.started,
@@ -101,17 +103,8 @@ class RolloutServer:
         self.ongoing += 1
         self.metrics.set("relay_replica_ongoing_requests", self.ongoing, self.tags)
         try:
-            samples = await vla.generate(
-                self.engine,
-                list(req.prompt_ids),
-                n=req.n,
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                version=self.version,
-                seed=req.seed,
-                ignore_eos=req.ignore_eos,
-            )
+            async with self.sync.gate.admit():  # partial=off: waits while a push drains this replica
+                samples = await self._generate(req)
         finally:
             self.ongoing -= 1
             self.metrics.set("relay_replica_ongoing_requests", self.ongoing, self.tags)
@@ -122,6 +115,20 @@ class RolloutServer:
             samples=[Sample(**s, replica=self.replica_id) for s in samples],
             replica=self.replica_id,
             version=self.version,
+        )
+
+    async def _generate(self, req: GenerateRequest) -> list[dict[str, Any]]:
+        """The samples, tagged with the version this replica holds when the request enters the engine."""
+        return await vla.generate(
+            self.engine,
+            list(req.prompt_ids),
+            n=req.n,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            version=self.version,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
         )
 
     async def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
@@ -206,4 +213,5 @@ def build_app(cfg, model_path: str):
         r.partial,
         control=control_name(cfg.ray.name),
         recompute_kv=r.recompute_kv,
+        drain_timeout_s=r.request_timeout_s,  # partial=off: requests inside finish first, each within this
     )

@@ -10,6 +10,8 @@
 
 A weight load and an abort never overlap (one lock). Version-gated join: a replica registered while a run is
 under way is admitted (its `start` returns) only after it received and verified the current weights.
+With `rollout.partial=off` a push drains the replica first (`GenerationGate`): requests already inside finish
+under the old weights, samples of theirs that vLLM queued behind `max_num_seqs` included, and new ones wait.
 The engine is reached only through app/vllm/engine.py.
 """
 
@@ -20,6 +22,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from app.ray_compat import current_actor
@@ -36,6 +39,52 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else ""
 
 
+class GenerationGate:
+    """Generate requests enter through `admit()`. `drained()` closes the gate (new requests wait at it), waits
+    until every request inside finished (up to a deadline), and opens it again when its block ends.
+
+    vLLM's own `wait` pause lets only the running sequences finish: the samples of a request that its
+    scheduler still queues (behind `max_num_seqs`) would start after the load, under the new weights, and a
+    group would then hold samples of two versions."""
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        while not self._open.is_set():  # re-checked: a drain may have closed it again before we resumed
+            await self._open.wait()
+        self.inside += 1
+        self._empty.clear()
+        try:
+            yield
+        finally:
+            self.inside -= 1
+            if self.inside == 0:
+                self._empty.set()
+
+    @contextlib.asynccontextmanager
+    async def drained(self, timeout_s: float, what: str) -> AsyncIterator[None]:
+        self._open.clear()
+        try:
+            try:
+                await asyncio.wait_for(self._empty.wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:  # load anyway: the stragglers' later samples start after it
+                log.warning(
+                    "%s: %d requests still generating after %gs; loading anyway",
+                    what,
+                    self.inside,
+                    timeout_s,
+                )
+            yield
+        finally:
+            self._open.set()
+
+
 class ReplicaSync:
     """The weight-group membership and run-control answers of one replica (`engine` is its AsyncLLM)."""
 
@@ -48,6 +97,7 @@ class ReplicaSync:
         control: str | None,
         partial: str = "keep",
         recompute_kv: bool = True,
+        drain_timeout_s: float = 120.0,
         poll_s: float = 2.0,
         metrics: Any = None,
         started: float | None = None,
@@ -55,6 +105,10 @@ class ReplicaSync:
         self.engine, self.replica_id, self.hub = engine, replica_id, hub
         self.control_name, self.control = control, None
         self.partial, self.recompute_kv = partial, recompute_kv
+        self.gate, self.drain_timeout_s = (
+            GenerationGate(),
+            drain_timeout_s,
+        )  # partial=off: drain before a load
         self.poll_s, self.metrics = poll_s, metrics
         self.started = started or time.time()
         self.workers = 1  # tensor parallel size; each worker is one receiver rank
@@ -231,15 +285,23 @@ class ReplicaSync:
         if self.metrics is not None:
             self.metrics.set("relay_replica_weight_version", version, {"replica": self.replica_id})
 
+    def _drained(self, version: int) -> contextlib.AbstractAsyncContextManager:
+        if self.partial != "off":
+            return contextlib.nullcontext()
+        return self.gate.drained(self.drain_timeout_s, f"replica {self.replica_id}, push of v{version}")
+
     async def _receive(self, plan: PushPlan) -> None:
         t0 = time.perf_counter()
         try:
-            await vla.pause(self.engine, self.partial, self.recompute_kv)
-            try:
-                res = await vla.rpc(self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan))
-            finally:
-                await self._set_version(plan.version)
-                await vla.resume(self.engine)
+            async with self._drained(plan.version):
+                await vla.pause(self.engine, self.partial, self.recompute_kv)
+                try:
+                    res = await vla.rpc(
+                        self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan)
+                    )
+                finally:
+                    await self._set_version(plan.version)
+                    await vla.resume(self.engine)
             self.admitted.set()
             timing = {"transfer_s": res[0]["transfer_s"], "load_s": res[0]["load_s"]}
             ack = Ack(

@@ -74,8 +74,9 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         "rollout.max_inflight=6",
         # keep: few sequences decode at once, so the last groups generate for longer than a train step and a
         # push is more likely to land while they are in flight (CI once saw every group finish between pushes).
-        # Not for `off`: a group's samples queued in vLLM behind max_num_seqs start after the push there
-        *(["rollout.max_num_seqs=2"] if partial == "keep" else []),
+        # off: a group's samples queued in vLLM behind max_num_seqs must finish before the push too (the
+        # replica drains), or the group would hold samples of two versions
+        *(["rollout.max_num_seqs=2"] if partial in ("keep", "off") else []),
         # keep: the frozen generations keep their KV cache (PipelineRL's in-flight update); the default,
         # recomputing it, runs in test_multiturn's fully_async keep episodes
         *(["rollout.recompute_kv=false"] if partial == "keep" else []),
