@@ -105,10 +105,8 @@ class ReplicaSync:
         self.engine, self.replica_id, self.hub = engine, replica_id, hub
         self.control_name, self.control = control, None
         self.partial, self.recompute_kv = partial, recompute_kv
-        self.gate, self.drain_timeout_s = (
-            GenerationGate(),
-            drain_timeout_s,
-        )  # partial=off: drain before a load
+        self.gate = GenerationGate()  # partial=off: a push drains the replica first
+        self.drain_timeout_s = drain_timeout_s
         self.poll_s, self.metrics = poll_s, metrics
         self.started = started or time.time()
         self.workers = 1  # tensor parallel size; each worker is one receiver rank
