@@ -138,15 +138,18 @@ async def probe(engine, stamps: list[float], stop: asyncio.Event) -> None:
                 break
 
 
-def token_gaps(stamps: list[float], windows: list[tuple[float, float]]) -> dict:
-    """Per push window (start, end): the longest wait between consecutive probe tokens that overlaps it;
-    the steady step: the median wait between tokens that overlap no window."""
+def token_gaps(
+    stamps: list[float], windows: list[tuple[float, float]], every: list[tuple[float, float]]
+) -> dict:
+    """Per push window (start, end) of `windows`: the longest wait between consecutive probe tokens that
+    overlaps it; the steady step: the median wait between tokens that overlap none of `every` push's window
+    (warm-up pushes and other ways of loading included)."""
     waits = list(itertools.pairwise(stamps))
 
     def overlaps(a: float, b: float, w: tuple[float, float]) -> bool:
         return b > w[0] and a < w[1]
 
-    steady = [b - a for a, b in waits if not any(overlaps(a, b, w) for w in windows)]
+    steady = [b - a for a, b in waits if not any(overlaps(a, b, w) for w in every)]
     step = statistics.median(steady) if steady else float("nan")
     gaps = [max((b - a for a, b in waits if overlaps(a, b, w)), default=float("nan")) for w in windows]
     return {
@@ -266,8 +269,10 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
         "params_equal_across_loads": len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1,
         "params": len(next(iter(digests.values()), {})),
     }
+    windows = {load: [r.pop("window") for r in rs] for load, rs in runs.items()}
+    every = [w for ws in windows.values() for w in ws]
     for load, rs in runs.items():
-        gaps = token_gaps(stamps, [r.pop("window") for r in rs][1:])
+        gaps = token_gaps(stamps, windows[load][1:], every)
         best = min(rs[1:], key=lambda r: r["push_s"])
         out[load] = {
             "token_gap": gaps,

@@ -298,8 +298,7 @@ def main() -> None:
         "test_parallel": args.test_parallel,
         "test_cpu_ms": args.test_cpu_ms,
     }
-    params_file.write_text(json.dumps(base))
-    start_ray(params_file)
+    start_ray(params_file)  # each reward writes its parameters before its first run
     results: dict[str, dict] = {}
     try:
         for kind in args.rewards.split(","):
