@@ -524,6 +524,10 @@ class RewardConfig(_Section):
     """Logical CPUs per reward worker."""
     max_concurrency: int = 8
     """Rewards one worker (or, with no workers, the rollouter) computes at once."""
+    max_memory_mb: int = 4096
+    """Memory limit of each scoring process (RLIMIT_DATA: heap and private mappings, MiB), so a reward
+    cannot take the memory of vLLM and the trainer; a reward that allocates past it scores `on_error`,
+    counted as reward/errors_oom. What a reward prints is capped too (the rest is dropped and counted)."""
     overlap: bool = True
     """Score each trajectory the moment it finishes, while the rest generate; false scores a batch after
     all of it is generated (sync and one_step_off; the baseline of bench/reward_overlap.py)."""
@@ -542,6 +546,7 @@ class RewardConfig(_Section):
         "workers": rng(">= 0", "0: score in the rollouter"),
         "worker_cpus": _SHARE,
         "max_concurrency": rng(">= 1"),
+        "max_memory_mb": rng(">= 128", "the interpreter and a reward's imports need about 100 MiB"),
     }
 
     def check(self, prefix: str) -> None:

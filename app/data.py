@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import numbers
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -69,6 +70,12 @@ def _check_answer(answer: Any, where: str, key: str, fmt: str) -> str:
     if isinstance(answer, str):
         return answer
     if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
+        # JSON's NaN / Infinity parse as floats: as "nan" / "inf" no response could ever match them
+        if not isinstance(answer, numbers.Integral) and not math.isfinite(answer):
+            raise DataError(
+                f"{where}: {key!r} is {answer!r}, not a finite number; give the reference answer as a "
+                f"finite number or a string ({fmt})"
+            )
         return str(answer)
     raise DataError(f"{where}: {key!r} is {answer!r:.80}, expected a string or a number ({fmt})")
 
@@ -150,6 +157,18 @@ def duplicate_id(path: str | Path, uid: str, row: int, line: int | None, first_r
     """The error for a row whose id an earlier row (`first_row`) already has."""
     return DataError(
         f"{_where(Path(path), row, line)}: duplicate id {uid!r} (also row {first_row}); ids must be unique"
+    )
+
+
+def empty_prompt(path: str | Path, row: PromptRow, tokenizer: str) -> DataError:
+    """The error for a row whose prompt is no token at all once tokenized: vLLM cannot generate from it
+    ("The decoder prompt cannot be empty"), so the data stage refuses it, whatever `data.truncation` says
+    (like a blank prompt: a broken row, or a tokenizer that does not fit the data)."""
+    return DataError(
+        f"{path} row {row.index}: prompt {row.uid!r} is 0 tokens after tokenization (chat template "
+        f"included) with the tokenizer of {tokenizer}: vLLM cannot generate from an empty prompt. Its text "
+        "is unknown to this tokenizer or removed by it; fix or remove the row, or use a model whose "
+        "tokenizer fits this data"
     )
 
 

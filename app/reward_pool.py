@@ -15,10 +15,17 @@ reward at a time each, fed through pipes. A reward that misses `reward.timeout_s
 no thread could be stopped, not even the one waiting on the deadline) and an abandoned reward stops
 using CPU. Sandboxed programs a killed process started die with it (parent-death signals).
 
-An exception, a timeout, an invalid value or a dead process or worker scores `reward.on_error` and is
-counted by kind (`reward/errors_exception`, `_timeout`, `_invalid`, `_crash`). A dead worker is restarted
-by Ray (with a margin beyond `reward.timeout_s` for a worker that is itself stuck). Nothing here raises
-into the rollout.
+Each scoring process has a memory limit (`reward.max_memory_mb`, as RLIMIT_DATA: heap and private
+mappings, not the shared libraries it maps), so a reward cannot take the memory of vLLM and the trainer:
+an allocation past it raises MemoryError there, the reward scores `on_error` (error "oom") and the process
+is replaced. What a reward prints (stdout and stderr, also of C code) reaches the parent through a pipe:
+the first OUTPUT_CAP_BYTES of each reward are logged, the rest is dropped and counted
+(`RewardResult.output_dropped`), so a reward that prints megabytes does not grow the run's log by as much.
+
+An exception, a timeout, an invalid value, a MemoryError or a dead process or worker scores
+`reward.on_error` and is counted by kind (`reward/errors_exception`, `_timeout`, `_invalid`, `_oom`,
+`_crash`). A dead worker is restarted by Ray (with a margin beyond `reward.timeout_s` for a worker that is
+itself stuck). Nothing here raises into the rollout.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import logging
 import math
 import os
+import resource
 import select
 import signal
 import struct
@@ -53,22 +61,34 @@ loaded machine; not counted against `reward.timeout_s`."""
 _HEADER = struct.Struct("!I")
 _CHILD = "from app.reward_pool import child_main; child_main()"
 _PR_SET_PDEATHSIG = 1
+OUTPUT_CAP_BYTES = 4096
+"""What is kept (and logged) of one reward's output, stdout and stderr together; the rest is dropped."""
+_DRAIN_READS = 16  # reads of the output pipe per drain: a reward printing without end cannot stall us
 
 
 class _Process:
-    """One scoring subprocess: length-prefixed JSON requests on its stdin, replies on its stdout."""
+    """One scoring subprocess: length-prefixed JSON requests on its stdin, replies on its stdout; what it
+    prints (its stdout and stderr) on a third pipe, read as it comes and capped per request."""
 
-    def __init__(self, spec: str, on_error: float) -> None:
+    def __init__(self, spec: str, on_error: float, max_memory_mb: int | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             bufsize=0,
             close_fds=True,
             start_new_session=True,  # a Ctrl-C to our group is ours to handle, not the scorers'
         )
+        assert self.proc.stderr is not None
+        self.out_fd = self.proc.stderr.fileno()
+        os.set_blocking(self.out_fd, False)
+        self.out_open = True
+        self.output = bytearray()  # what the current request printed, up to OUTPUT_CAP_BYTES
+        self.dropped = 0  # bytes of it beyond the cap
         self.ready: set[str] = set()  # data sources whose reward function this process has resolved
-        self.send({"op": "init", "spec": spec, "on_error": on_error, "path": sys.path, "ppid": os.getpid()})
+        init = {"op": "init", "spec": spec, "on_error": on_error, "path": sys.path, "ppid": os.getpid()}
+        self.send({**init, "max_memory_mb": max_memory_mb})
 
     def send(self, msg: dict[str, Any]) -> None:
         data = json.dumps(msg).encode()
@@ -76,21 +96,67 @@ class _Process:
         self.proc.stdin.write(_HEADER.pack(len(data)) + data)
 
     def recv(self, deadline: float) -> dict[str, Any] | None:
-        """The next reply, or None when `deadline` (monotonic) passes first; EOFError if the process died."""
+        """The next reply, or None when `deadline` (monotonic) passes first; EOFError if the process died.
+        What the process prints meanwhile is drained, so that a full output pipe never blocks it."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
+        if not self._wait_reply(fd, deadline):
+            return None
         head = _read_exact(fd, _HEADER.size, deadline)
         if head is None:
             return None
         body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
         return None if body is None else json.loads(body)
 
+    def _wait_reply(self, fd: int, deadline: float) -> bool:
+        """Until `fd` is readable (True) or `deadline` passes (False), draining the output pipe."""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if self.out_open:
+            poller.register(self.out_fd, select.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            events = poller.poll(None if math.isinf(left) else left * 1000)
+            if any(efd == fd for efd, _ in events):
+                return True
+            if events and not self.drain():
+                poller.unregister(self.out_fd)  # the process closed it (or died): only the reply is left
+
+    def drain(self) -> bool:
+        """Read what the process printed so far, without blocking: the first OUTPUT_CAP_BYTES are kept,
+        the rest counted in `dropped`. False once the pipe is closed."""
+        for _ in range(_DRAIN_READS):
+            if not self.out_open:
+                return False
+            try:
+                chunk = os.read(self.out_fd, 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.out_open = False
+                return False
+            keep = min(len(chunk), max(0, OUTPUT_CAP_BYTES - len(self.output)))
+            self.output += chunk[:keep]
+            self.dropped += len(chunk) - keep
+        return self.out_open
+
+    def take_output(self) -> tuple[bytes, int]:
+        """(what the last request printed, up to the cap; bytes dropped beyond it), and start afresh."""
+        self.drain()
+        out, dropped = bytes(self.output), self.dropped
+        self.output, self.dropped = bytearray(), 0
+        return out, dropped
+
     def kill(self) -> None:
         """SIGKILL by pid (the process is our unreaped child: the pid cannot have been reused), reap."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()
 
@@ -116,17 +182,28 @@ class RewardProcesses:
     """Scores rewards in killable subprocesses, one reward per process at a time; thread-safe.
 
     `score()` blocks its thread (call it from a thread pool, never on an event loop). Processes are kept
-    for reuse (at most `max_idle`), killed at a deadline or on any protocol failure, and a killed one is
-    replaced in the background, so the next reward does not pay for the start. All processes are started
-    by one long-lived thread: their parent-death signal fires when the *thread* that started them exits.
+    for reuse (at most `max_idle`), killed at a deadline, after a MemoryError or on any protocol failure,
+    and a killed one is replaced in the background, so the next reward does not pay for the start. All
+    processes are started by one long-lived thread: their parent-death signal fires when the *thread* that
+    started them exits. `max_memory_mb` (None: no limit) is each process's RLIMIT_DATA.
     """
 
-    def __init__(self, spec: str, timeout_s: float, on_error: float, max_idle: int = 8) -> None:
+    def __init__(
+        self,
+        spec: str,
+        timeout_s: float,
+        on_error: float,
+        max_idle: int = 8,
+        max_memory_mb: int | None = None,
+    ) -> None:
         self.spec, self.timeout_s, self.on_error, self.max_idle = spec, timeout_s, on_error, max_idle
+        self.max_memory_mb = max_memory_mb
         self.idle: list[_Process] = []
         self.lock = threading.Lock()
         self.spawner = ThreadPoolExecutor(1, thread_name_prefix="reward-spawner")
         self.killed: deque[int] = deque(maxlen=64)  # pids last killed at a deadline (tests, reports)
+        self.output_dropped = 0  # bytes of reward output dropped beyond OUTPUT_CAP_BYTES, in total
+        self.output_capped = 0  # rewards whose output was cut
 
     def _pop_idle(self) -> _Process | None:
         with self.lock:
@@ -141,7 +218,10 @@ class RewardProcesses:
         return self._pop_idle() or self.spawner.submit(self._pop_or_start).result()
 
     def _pop_or_start(self) -> _Process:
-        return self._pop_idle() or _Process(self.spec, self.on_error)
+        return self._pop_idle() or self._start()
+
+    def _start(self) -> _Process:
+        return _Process(self.spec, self.on_error, self.max_memory_mb)
 
     def _give_back(self, proc: _Process) -> None:
         with self.lock:
@@ -153,9 +233,11 @@ class RewardProcesses:
     def _replace(self, sources: set[str]) -> None:
         """A warm process for one that was killed (runs on the spawner thread)."""
         try:
-            proc = _Process(self.spec, self.on_error)
+            proc = self._start()
             for ds in sorted(sources):
-                if self._resolve(proc, ds) is not None:
+                failed = self._resolve(proc, ds)
+                self._log_output(proc)
+                if failed is not None:
                     proc.kill()
                     return
         except (OSError, EOFError, ValueError) as e:
@@ -164,23 +246,49 @@ class RewardProcesses:
         self._give_back(proc)
 
     def score(self, data_source: str, response: str, answer: str) -> RewardResult:
-        """`fn(response, answer)` in a scoring process, within `timeout_s`; never raises."""
+        """`fn(response, answer)` in a scoring process, within `timeout_s`; never raises. What it printed
+        is logged up to OUTPUT_CAP_BYTES; the bytes beyond are counted in `output_dropped`."""
         proc = None
         try:
             proc = self._take()
             res = self._resolve(proc, data_source) or self._evaluate(proc, data_source, response, answer)
         except (OSError, EOFError, ValueError, TypeError) as e:  # could not start, died, garbled reply
+            dropped = 0
             if proc is not None:
+                dropped = self._log_output(proc)
                 proc.kill()
             log.warning("reward process crashed (%s: %s); scoring %s", type(e).__name__, e, self.on_error)
-            return RewardResult(self.on_error, "crash", f"reward process died: {type(e).__name__}: {e}")
-        if res.error == "timeout":
-            self.killed.append(proc.proc.pid)
+            detail = f"reward process died: {type(e).__name__}: {e}"
+            return RewardResult(self.on_error, "crash", detail, output_dropped=dropped)
+        res.output_dropped = self._log_output(proc)
+        if res.error in ("timeout", "oom"):  # stuck, or holding memory it may never give back
+            if res.error == "timeout":
+                self.killed.append(proc.proc.pid)
             proc.kill()
             self.spawner.submit(self._replace, set(proc.ready))
         else:
             self._give_back(proc)
         return res
+
+    def _log_output(self, proc: _Process) -> int:
+        """Log what `proc` printed for its last request (up to the cap); the count of bytes dropped."""
+        out, dropped = proc.take_output()
+        if out:
+            text = out.decode("utf-8", errors="replace").rstrip()
+            log.info("reward %s printed (scoring process %d):\n%s", self.spec, proc.proc.pid, text)
+        if dropped:
+            with self.lock:
+                self.output_dropped += dropped
+                self.output_capped += 1
+            log.warning(
+                "reward %s printed %d bytes more than the %d kept; dropped (%d bytes in %d rewards so far)",
+                self.spec,
+                dropped,
+                OUTPUT_CAP_BYTES,
+                self.output_dropped,
+                self.output_capped,
+            )
+        return dropped
 
     def _resolve(self, proc: _Process, data_source: str) -> RewardResult | None:
         """Make `proc` ready to score `data_source`; a RewardResult when that failed."""
@@ -239,12 +347,35 @@ def _die_with_parent(ppid: int) -> None:
         os._exit(0)
 
 
+def _limit_memory(max_mb: int | None) -> None:
+    """This process's RLIMIT_DATA (soft and hard: the reward cannot raise it): `max_mb` MiB, None: none.
+
+    RLIMIT_DATA, not RLIMIT_AS: it counts the heap and private writable mappings (what a reward allocates),
+    not the address space of the shared libraries a reward's imports map (torch's are gigabytes). An
+    allocation past it fails with MemoryError. Programs the code sandbox starts from here inherit it,
+    under their own, smaller RLIMIT_AS (app.sandbox)."""
+    if max_mb is None:
+        return
+    limit = int(max_mb) * 2**20
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def _flush_output() -> None:
+    """Push what the reward printed into the output pipe before the reply: the parent reads it with it."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def child_main() -> None:
     """The scoring process: resolve reward functions per data source, evaluate one request at a time."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(2, 1)  # what a reward function prints goes to stderr, never into the protocol
+    os.dup2(2, 1)  # what a reward prints goes to the output pipe (capped by the parent), never the protocol
     fns: dict[str, Any] = {}
     try:
         init = _read_msg(proto_in)
@@ -252,6 +383,7 @@ def child_main() -> None:
         return
     assert init is not None
     _die_with_parent(init["ppid"])
+    _limit_memory(init.get("max_memory_mb"))
     sys.path[:] = init["path"]  # dotted-path rewards import as in the parent
     while True:
         try:
@@ -269,6 +401,7 @@ def child_main() -> None:
                 reply = {"error": f"{type(e).__name__}: {e}"}
         else:
             reply = asdict(evaluate(fns[ds], msg["response"], msg["answer"], init["on_error"]))
+        _flush_output()
         data = json.dumps(reply).encode()
         os.write(proto_out, _HEADER.pack(len(data)) + data)
 
@@ -276,11 +409,18 @@ def child_main() -> None:
 class RewardWorker:
     """One CPU reward worker (a Ray actor): its own pool of scoring processes."""
 
-    def __init__(self, spec: str, timeout_s: float, on_error: float, concurrency: int = 8) -> None:
+    def __init__(
+        self,
+        spec: str,
+        timeout_s: float,
+        on_error: float,
+        concurrency: int = 8,
+        max_memory_mb: int | None = None,
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.spec = spec
         self.fns: dict[str, Any] = {}
-        self.procs = RewardProcesses(spec, timeout_s, on_error, max(1, concurrency))
+        self.procs = RewardProcesses(spec, timeout_s, on_error, max(1, concurrency), max_memory_mb)
         self.executor = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="reward")
 
     def pid(self) -> int:
@@ -326,12 +466,15 @@ class RewardPool:
                     max_concurrency=reward_cfg.max_concurrency,
                     max_restarts=-1,  # a worker killed by a hostile reward comes back
                     max_task_retries=0,  # ...but the reward that killed it is not retried: it scores on_error
-                ).remote(reward_cfg.fn, reward_cfg.timeout_s, reward_cfg.on_error, conc)
+                ).remote(
+                    reward_cfg.fn, reward_cfg.timeout_s, reward_cfg.on_error, conc, reward_cfg.max_memory_mb
+                )
                 for i in range(n)
             ]
             self.busy = [0] * n
         else:  # threads that only wait on pipes: the event loop never blocks on a reward
-            self.procs = RewardProcesses(reward_cfg.fn, reward_cfg.timeout_s, reward_cfg.on_error, conc)
+            c = reward_cfg
+            self.procs = RewardProcesses(c.fn, c.timeout_s, c.on_error, conc, c.max_memory_mb)
             self.executor = ThreadPoolExecutor(conc, thread_name_prefix="reward")
         self.sem = asyncio.Semaphore(max(1, n) * conc)
 

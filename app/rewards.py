@@ -163,19 +163,26 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     return obj
 
 
+DETAIL_CHARS = 1000
+"""Most characters of an error's detail kept (an exception's message may be megabytes)."""
+
+
 @dataclass
 class RewardResult:
     """Outcome of one guarded reward computation.
 
-    `error` is None on success, else "exception", "timeout", "invalid" or "crash" (the scoring process or
-    worker died) (and `score` is `on_error`);
-    `detail` explains the error; `extras` holds the numeric sub-scores of a dict return.
+    `error` is None on success, else "exception", "timeout", "invalid", "oom" (a MemoryError: over the
+    scoring process's memory limit, `reward.max_memory_mb`) or "crash" (the scoring process or worker
+    died) (and `score` is `on_error`);
+    `detail` explains the error (at most DETAIL_CHARS); `extras` holds the numeric sub-scores of a dict
+    return; `output_dropped` counts the bytes of what the reward printed beyond the scoring process's cap.
     """
 
     score: float
     error: str | None = None
     detail: str = ""
     extras: dict[str, float] = field(default_factory=dict)
+    output_dropped: int = 0
 
 
 def _finite(v: Any) -> float | None:
@@ -211,21 +218,28 @@ async def _awaited(aw: Any) -> Any:
 def evaluate(fn: RewardFn, response: str, answer: str, on_error: float) -> RewardResult:
     """Run `fn(response, answer)` here and now (an async function is awaited on a fresh event loop); never
     raises. No deadline: this runs inside a scoring process (app.reward_pool.RewardProcesses), which its
-    parent kills at the deadline. Exceptions score `on_error` with error="exception" (logged as a warning);
-    NaN/inf or a non-numeric result gives error="invalid"."""
+    parent kills at the deadline. Exceptions score `on_error` with error="exception" (logged as a warning),
+    a MemoryError (the process's memory limit) with error="oom"; NaN/inf or a non-numeric result gives
+    error="invalid"."""
     name = getattr(fn, "__name__", type(fn).__name__)
     try:
         value = fn(response, answer)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
+    except MemoryError as e:  # over the scoring process's limit (reward.max_memory_mb), or truly out
+        log.warning("reward function %s ran out of memory; scoring %s", name, on_error)
+        detail = f"MemoryError: {e}"[:DETAIL_CHARS]
+        return RewardResult(
+            on_error, "oom", f"{detail}; over reward.max_memory_mb? raise it if the reward needs that much"
+        )
     except Exception as e:  # the reward's own bug or a bad input: scored, never raised
-        detail = f"{type(e).__name__}: {e}"
+        detail = f"{type(e).__name__}: {e}"[:DETAIL_CHARS]
         log.warning("reward function %s raised %s; scoring %s", name, detail, on_error)
         return RewardResult(on_error, "exception", detail)
     try:
         return _interpret(value, on_error)
     except Exception as e:  # a pathological return value (e.g. a dict subclass that raises)
-        return RewardResult(on_error, "invalid", f"{type(e).__name__}: {e}")
+        return RewardResult(on_error, "invalid", f"{type(e).__name__}: {e}"[:DETAIL_CHARS])
 
 
 def warm_up(fn: RewardFn) -> None:

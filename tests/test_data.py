@@ -148,6 +148,18 @@ def test_parquet_plain_columns(tmp_path):
         ([{"prompt": "a", "answer": None}], "row 0 (line 1)", "'answer' is None"),
         ([{"prompt": "a", "answer": True}], "row 0 (line 1)", "'answer' is True"),
         ([{"prompt": "a", "answer": ["1"]}], "row 0 (line 1)", "'answer' is ['1']"),
+        (
+            [{"prompt": "a", "answer": "1"}, '{"prompt": "b", "answer": NaN}'],
+            "row 1 (line 2)",
+            "'answer' is nan, not a finite number",
+        ),
+        ([{"prompt": "a", "answer": float("inf")}], "row 0 (line 1)", "'answer' is inf, not a finite number"),
+        (['{"prompt": "a", "answer": -Infinity}'], "row 0 (line 1)", "'answer' is -inf, not a finite"),
+        (
+            [{"prompt": "a", "reward_model": {"ground_truth": float("nan")}}],
+            "row 0 (line 1)",
+            "'reward_model.ground_truth' is nan, not a finite number",
+        ),
         ([{"prompt": "a", "answer": "1", "id": [1]}], "row 0 (line 1)", "'id' is [1]"),
         ([{"prompt": "a", "answer": "1", "data_source": 3}], "row 0 (line 1)", "'data_source' must be"),
         (
@@ -196,6 +208,14 @@ def test_parquet_malformed_rows(tmp_path):
         DataError, match=rf"^{re.escape(str(path))} row 0: prompt message 0 has no string 'content'"
     ):
         load_rows(str(path))
+
+
+def test_parquet_nan_answer_names_the_row(tmp_path):
+    path = tmp_path / "nan.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": [1.5, float("nan")]}), path)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))} row 1: 'answer' is nan, not a finite"):
+        load_rows(str(path))
+    assert normalize_row({"prompt": "a", "answer": 10**400}, "big.jsonl", 0).answer == str(10**400)
 
 
 def test_parquet_missing_columns(tmp_path):

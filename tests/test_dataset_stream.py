@@ -11,7 +11,9 @@ import pytest
 
 from app.data import DataError, PromptRow, check_path, load_rows
 from app.rollout.dataset import (
+    COLUMNS,
     Normalize,
+    Tokenize,
     _data_error,
     data_errors,
     is_parquet,
@@ -154,3 +156,44 @@ def test_data_errors_drops_ray_retry_note():
         raise RayTaskError("Normalize", "tb", bad).as_instanceof_cause()
     assert str(exc.value) == "f.jsonl row 3 (line 5): missing key 'answer' (each line ...)"
     assert type(exc.value) is DataError
+
+
+def _digit_blind_tokenizer(tmp_path) -> str:
+    """A saved word-level tokenizer that drops digits before it splits words: a prompt of digits only is
+    0 tokens (as prompts of words a word-level vocabulary strips are)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "max": 3}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(Regex("[0-9]"), "")
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(tmp_path / "tok")
+    return str(tmp_path / "tok")
+
+
+def _batch(rows: list[PromptRow]) -> dict[str, list]:
+    plain = [plain_row(r) for r in rows]
+    return {k: [p[k] for p in plain] for k in COLUMNS}
+
+
+@pytest.mark.parametrize("truncation", ["drop", "error"])
+def test_a_prompt_of_zero_tokens_is_refused_naming_the_file_and_row(tmp_path, truncation):
+    """vLLM fails every request of an empty prompt ("The decoder prompt cannot be empty"): the Tokenize
+    stage refuses the row before the run starts, under either data.truncation."""
+    tok = _digit_blind_tokenizer(tmp_path)
+    path = write_jsonl(
+        tmp_path / "train.jsonl",
+        [{"prompt": "max 3815", "answer": "8"}, "", {"prompt": "3815", "answer": "8", "id": "digits"}],
+    )
+    rows = stream_rows(path)
+    stage = Tokenize(tok, 64, truncation, path)
+    assert stage(_batch(rows[:1]))["prompt_ids"] == [[3]]
+    with pytest.raises(DataError) as exc:
+        stage(_batch(rows))
+    msg = str(exc.value)
+    assert msg.startswith(f"{path} row 1: prompt 'digits' is 0 tokens after tokenization"), msg
+    assert tok in msg and "fix or remove the row" in msg

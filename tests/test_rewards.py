@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from app.reward_pool import RewardProcesses
+from app.config import ConfigError, load_config
+from app.reward_pool import OUTPUT_CAP_BYTES, RewardPool, RewardProcesses
 from app.rewards import (
     RewardResult,
     evaluate,
@@ -245,6 +248,20 @@ def dies(response: str, answer: str) -> float:
     os._exit(3)
 
 
+def loud(response: str, answer: str) -> float:
+    """Prints 10 MB (to stdout, and a line to stderr through the file descriptor, as C code would)."""
+    os.write(2, b"from C\n")
+    sys.stdout.write("x" * 10_000_000)
+    return 1.0
+
+
+def hog(response: str, answer: str) -> float:
+    """Allocates `answer` MiB (and touches it)."""
+    block = bytearray(int(answer) * 2**20)
+    block[::4096] = b"\x01" * len(block[::4096])
+    return 1.0
+
+
 async def async_judge(response: str, answer: str) -> dict:
     await asyncio.sleep(0.01)
     return {"score": float(response == answer), "judge": 0.25}
@@ -321,6 +338,56 @@ def test_a_reward_that_kills_its_process_is_a_crash_and_the_next_one_scores():
         assert procs.score("x", "", "").error == "crash"  # a fresh process each time, no hang
     finally:
         procs.close()
+
+
+def test_what_a_reward_prints_is_capped_and_the_rest_counted(caplog):
+    """A reward printing 10 MB: a few kB of it reach the log, the rest is dropped and counted; the reward
+    still scores and its process is kept."""
+    caplog.set_level(logging.INFO, logger="app.reward_pool")
+    procs = RewardProcesses("tests.test_rewards:loud", 10.0, -1.0)
+    try:
+        res = procs.score("x", "", "")
+        assert (res.score, res.error) == (1.0, None), res
+        assert res.output_dropped == 10_000_007 - OUTPUT_CAP_BYTES
+        assert (procs.output_dropped, procs.output_capped) == (res.output_dropped, 1)
+        logged = "".join(r.getMessage() for r in caplog.records)
+        assert "from C" in logged and "xxxx" in logged and len(logged) < 2 * OUTPUT_CAP_BYTES
+        assert len(procs.idle) == 1
+        assert procs.score("x", "", "").output_dropped == res.output_dropped  # counted per reward
+        assert (procs.output_dropped, procs.output_capped) == (2 * res.output_dropped, 2)
+    finally:
+        procs.close()
+
+
+def test_a_reward_over_its_memory_limit_scores_on_error_as_oom():
+    """An allocation past reward.max_memory_mb fails in the scoring process (RLIMIT_DATA): the reward scores
+    on_error, counted as `oom`; its process is replaced and the next reward scores."""
+    procs = RewardProcesses("tests.test_rewards:hog", 10.0, -1.0, max_memory_mb=256)
+    try:
+        assert procs.score("x", "", "64").score == 1.0  # under the limit
+        pid = procs.idle[0].proc.pid
+        res = procs.score("x", "", "1024")
+        assert (res.score, res.error) == (-1.0, "oom"), res
+        assert "MemoryError" in res.detail and "reward.max_memory_mb" in res.detail
+        assert cpu_seconds(pid) is None  # killed and reaped
+        assert procs.score("x", "", "64").score == 1.0  # a replacement scores the next one
+    finally:
+        procs.close()
+
+
+def test_reward_max_memory_mb_is_a_validated_key_the_pool_applies():
+    with pytest.raises(ConfigError, match="reward.max_memory_mb"):
+        load_config(None, ["reward.max_memory_mb=64"])
+    assert load_config(None, []).reward.max_memory_mb == 4096
+    cfg = load_config(
+        None, ["reward.fn=tests.test_rewards:hog", "reward.max_memory_mb=256", "reward.on_error=-1"]
+    )
+    pool = RewardPool(cfg.reward, "t")
+    try:
+        res = asyncio.run(pool.score("x", "", "1024"))
+        assert (res.score, res.error) == (-1.0, "oom"), res
+    finally:
+        pool.close()
 
 
 def test_auto_reward_routes_code_rows_to_the_sandbox():

@@ -10,7 +10,7 @@ a string in some rows and messages in others, and line numbers would be lost).
 Stages: read -> `Normalize` (one actor: `app.data.normalize_row` per record, plus the duplicate-id check,
 which needs every id of the file in one place) -> `Tokenize` (chat template; `data.truncation=error`
 fails on an overlong prompt, naming the file and row; under `drop` the `PromptStream` counts and skips
-them). The training set is materialized once (token ids are small; the object store spills to disk).
+them; a prompt of 0 tokens fails under either, naming the file and row: vLLM cannot generate from it). The training set is materialized once (token ids are small; the object store spills to disk).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from app.data import (
     check_path,
     decode_line,
     duplicate_id,
+    empty_prompt,
     no_rows,
     normalize_row,
     render_prompt,
@@ -129,6 +130,7 @@ class Tokenize:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer_path = tokenizer_path
         self.max_tokens, self.truncation, self.path = max_prompt_tokens, truncation, path
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +138,8 @@ class Tokenize:
         for i in range(len(batch["uid"])):
             row = prompt_row({k: batch[k][i] for k in COLUMNS})
             ids = render_prompt(row, self.tok)
+            if not ids:
+                raise empty_prompt(self.path, row, self.tokenizer_path)
             if len(ids) > self.max_tokens and self.truncation == "error":
                 raise DataError(
                     f"{self.path} row {row.index}: prompt {row.uid!r} has {len(ids)} tokens, over "
