@@ -228,6 +228,25 @@ def check_placement(cfg: Any, build: str | None = None) -> None:
         )
 
 
+def check_nccl_devices(cfg: Any, transport: str) -> None:
+    """NCCL puts one rank on one GPU: the `broadcast` transport on GPUs cannot reach two replicas that share a
+    GPU (NCCL refuses a communicator with two ranks on one device, at the first push). Refuse such a plan
+    before anything starts."""
+    r = cfg.rollout
+    if (
+        transport == "broadcast"
+        and 0 < r.replica_gpus < 1
+        and r.max_replicas > 1
+        and cfg.sync.backend != "gloo"
+    ):
+        raise ResourceError(
+            f"rollout.replica_gpus={r.replica_gpus:g} with up to rollout.max_replicas={r.max_replicas} replicas "
+            "puts two replicas on one GPU, and the NCCL weight push cannot reach two ranks on one device: give "
+            "each replica a whole GPU (rollout.replica_gpus=1, or resources.rollout_gpus equal to the replica "
+            "count), or run one replica (rollout.max_replicas=1)"
+        )
+
+
 def memory_share(rollout: Any) -> float:
     """vLLM's gpu_memory_utilization for a replica: the configured value, else the replica's GPU share (a
     fraction of one GPU), else vLLM's own default for a whole GPU (0.9)."""

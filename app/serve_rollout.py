@@ -16,6 +16,7 @@ removed by downscaling leaves the group in its destructor, after finishing a pus
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -135,6 +136,15 @@ class RolloutServer:
         lps = await vla.completion_logprobs(self.engine, prompt_ids, completion_ids)
         return {"logprobs": lps, "version": self.version, "replica": self.replica_id}
 
+    async def loaded_checksums(self) -> dict[str, Any]:
+        """For each tensor of the last push, the checksum of what the engine holds in its place (each worker's
+        answer; see `RelayWorkerExtension.relay_loaded_checksums`): verifies a load bit for bit."""
+        return {
+            "replica": self.replica_id,
+            "version": self.version,
+            "workers": await vla.rpc(self.engine, "relay_loaded_checksums"),
+        }
+
     async def info(self) -> dict[str, Any]:
         import os
 
@@ -148,9 +158,18 @@ class RolloutServer:
             "version": self.version,
             "epoch": self.sync.epoch,
             "generated_tokens": self.generated_tokens,
+            "ongoing": self.ongoing,
+            "engine_pids": await self._engine_pids(),
             "last_error": self.sync.last_error,
             "uptime_s": time.time() - self.started,
         }
+
+    async def _engine_pids(self) -> list[int]:
+        """Its vLLM workers' processes ([] when the engine does not answer within 5 s: dead or stuck)."""
+        try:
+            return await asyncio.wait_for(vla.rpc(self.engine, "relay_pid", timeout=5), timeout=6)
+        except Exception:
+            return []
 
     async def check_health(self) -> None:
         """Fails when the engine is dead or the weight sync stopped: Serve then replaces this replica."""

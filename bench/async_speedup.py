@@ -2,6 +2,7 @@
 
     python bench/async_speedup.py [--prompts 160] [--batch-groups 8] [--n 4] [--max-tokens 96]
                                   [--lengths pareto:1.2:4] [--max-staleness 1] [--partial keep]
+    python bench/async_speedup.py --gpus 2 --shape 1.5B --max-tokens 2048 --lengths pareto:1.2:128  # 2 GPUs
 
 The built-in task with a long-tailed response-length distribution: every prompt group gets
 min(max_tokens, MIN x Pareto(ALPHA)) tokens (EOS ignored, so lengths are exact and the same prompt has the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -51,6 +53,16 @@ def main() -> None:
     ap.add_argument("--max-inflight", type=int, default=0, help="fully_async groups in flight (0: 2 batches)")
     ap.add_argument("--modes", default="sync,one_step_off,fully_async")
     ap.add_argument("--gpu", action="store_true", help="configs/gpu1.yaml: replica and trainer share one GPU")
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="2: configs/gpu2.yaml (the replica on one GPU, the trainer on the other)",
+    )
+    ap.add_argument(
+        "--shape", default="embedded", help="embedded, or a Qwen2.5 shape (bench/qwen_shapes.py): 1.5B"
+    )
+    ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "relay-models"))
     ap.add_argument("--cache-dir", default=".cache/relay")
     ap.add_argument("--out", default="runs/bench_async_speedup")
     args = ap.parse_args()
@@ -79,6 +91,10 @@ def main() -> None:
         f"model.cache_dir={args.cache_dir}",
         f"run_dir={out}",
     ]
+    if args.shape != "embedded":  # random weights, full vocabulary: throughput, not learning
+        from bench.qwen_shapes import build_model_dir
+
+        common.append(f"model.path={build_model_dir(args.shape, args.models)}")
     extra = {
         "fully_async": [
             f"algorithm.max_staleness={args.max_staleness}",
@@ -99,7 +115,7 @@ def main() -> None:
     try:
         for mode in args.modes.split(","):
             cfg = load_config(
-                "gpu1" if args.gpu else None,
+                "gpu2" if args.gpus == 2 else ("gpu1" if args.gpu else None),
                 [
                     *common,
                     f"algorithm.mode={mode}",
@@ -130,6 +146,8 @@ def main() -> None:
         "max_staleness": args.max_staleness,
         "partial": args.partial,
         "gpu": args.gpu,
+        "gpus": args.gpus,
+        "shape": args.shape,
         "modes": results,
         "ratio_to_sync": {m: round(r["tokens_per_s"] / base, 3) for m, r in results.items()} if base else {},
     }

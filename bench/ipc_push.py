@@ -180,6 +180,18 @@ GAP_S = 0.3  # between pushes
 RECOMPUTE_KV = True  # rollout.recompute_kv
 
 
+def _differ(digests: dict[str, dict]) -> dict[str, list[str]]:
+    """For each way of loading after the first, the engine parameters whose checksum differs from the first's."""
+    loads = list(digests)
+    if not loads:
+        return {}
+    first = digests[loads[0]]
+    return {
+        load: sorted(n for n in set(first) | set(digests[load]) if first.get(n) != digests[load].get(n))[:20]
+        for load in loads[1:]
+    }
+
+
 async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float, loads: list[str]) -> dict:
     global SENDER
     from vllm import AsyncEngineArgs
@@ -267,6 +279,7 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
         "raw_copy_s": round(raw, 5),
         "token_versions_seen": versions,
         "params_equal_across_loads": len({json.dumps(d, sort_keys=True) for d in digests.values()}) == 1,
+        "params_differ": _differ(digests),
         "params": len(next(iter(digests.values()), {})),
     }
     windows = {load: [r.pop("window") for r in rs] for load, rs in runs.items()}

@@ -38,15 +38,7 @@ if str(ROOT) not in sys.path:
 
 from app import sync  # noqa: E402
 from app.sync import broadcast as sync_walk  # noqa: E402  (where the push walk looks up the checksum)
-
-# Qwen2.5 shapes: hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings
-QWEN2_SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
-    "tiny": (128, 384, 2, 4, 2, 1024, False),
-    "0.5B": (896, 4864, 24, 14, 2, 151936, True),
-    "1.5B": (1536, 8960, 28, 12, 2, 151936, True),
-    "3B": (2048, 11008, 36, 16, 2, 151936, True),
-    "7B": (3584, 18944, 28, 28, 4, 152064, False),
-}
+from bench.qwen_shapes import QWEN2_SHAPES  # noqa: E402
 
 
 def qwen2_specs(size: str) -> list[tuple[str, tuple[int, ...], str]]:

@@ -21,25 +21,58 @@ class _Core:
         self.calls.append(("core", mode, clear_cache))
 
 
+class _Cfg:
+    def __init__(self, prefix_caching: bool) -> None:
+        self.cache_config = type("C", (), {"enable_prefix_caching": prefix_caching})()
+
+
+class _Outputs:
+    def __init__(self, unfinished: bool) -> None:
+        self.unfinished = unfinished
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+
 class _Engine:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, bool]] = []
+    def __init__(self, in_flight: bool = True, prefix_caching: bool = False) -> None:
+        self.calls: list[tuple] = []
         self.engine_core = _Core(self.calls)
+        self.vllm_config = _Cfg(prefix_caching)
+        self.output_processor = _Outputs(in_flight)
 
     async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
         self.calls.append(("engine", mode, clear_cache))
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self.calls.append(("reset", reset_running_requests))
+        return True
+
+
+_PREEMPT = ("reset", True)  # the frozen requests are preempted: their KV recomputed under the new weights
+
 
 @pytest.mark.parametrize(
-    ("partial", "recompute_kv", "call"),
+    ("partial", "recompute_kv", "in_flight", "calls"),
     [
-        ("keep", True, ("core", "keep", True)),  # frozen requests are preempted: their KV recomputed
-        ("keep", False, ("core", "keep", False)),  # frozen requests keep their KV cache
-        ("resubmit", True, ("engine", "abort", True)),
-        ("off", True, ("engine", "wait", True)),
+        ("keep", True, True, [("core", "keep", False), _PREEMPT]),
+        ("keep", True, False, [("core", "keep", False)]),  # nothing in flight: nothing to recompute
+        ("keep", False, True, [("core", "keep", False)]),  # frozen requests keep their KV cache
+        ("resubmit", True, True, [("core", "abort", False)]),
+        ("off", True, True, [("core", "wait", False)]),
     ],
 )
-def test_pause_maps_partial_and_recompute_kv(partial: str, recompute_kv: bool, call: Any) -> None:
-    eng = _Engine()
+def test_pause_maps_partial_and_recompute_kv(
+    partial: str, recompute_kv: bool, in_flight: bool, calls: Any
+) -> None:
+    """No pause clears the whole KV cache (vLLM walks every block of it: about 0.5 s on a large GPU)."""
+    eng = _Engine(in_flight=in_flight)
     asyncio.run(vla.pause(eng, partial, recompute_kv))
-    assert eng.calls == [call]
+    assert eng.calls == calls
+
+
+def test_pause_clears_a_prefix_cache() -> None:
+    """An engine with a prefix cache drops its hashes at every pause: they name blocks of the old weights."""
+    eng = _Engine(in_flight=True, prefix_caching=True)
+    asyncio.run(vla.pause(eng, "keep", True))
+    assert eng.calls == [("core", "keep", True)]

@@ -18,6 +18,7 @@ from app.resources import (
     ResourceError,
     auto_transport,
     check,
+    check_nccl_devices,
     check_placement,
     cuda_alloc_env,
     demands,
@@ -45,6 +46,26 @@ def test_gpu1_preset_fits_one_gpu_and_picks_ipc():
     assert auto_transport(cfg, {"CPU": 16, "GPU": 1}) == "ipc"
     assert memory_share(cfg.rollout) == cfg.rollout.replica_gpus
     check_placement(cfg, "gpu")
+
+
+def test_gpu2_preset_gives_each_role_a_gpu_and_picks_the_nccl_broadcast():
+    cfg = load_config("gpu2", [])
+    two = {"CPU": 32, "GPU": 2}
+    shares = resolve(cfg, two)
+    assert shares["rollout.replica_gpus"] == 1 and shares["train.workers"] == 1 and shares["train.use_gpu"]
+    merged = load_config("gpu2", [f"{k}={v}" for k, v in shares.items()])
+    need = check(merged, two)
+    assert need["train"]["GPU"] == 1 and need["rollout"]["GPU"] == 1
+    assert auto_transport(merged, two) == "broadcast" and merged.sync.bucket_mb == 256
+    check_nccl_devices(merged, "broadcast")
+
+
+def test_two_replicas_on_one_gpu_are_refused_for_the_nccl_push():
+    cfg = load_config(None, ["rollout.replica_gpus=0.5", "rollout.max_replicas=2", "train.use_gpu=true"])
+    with pytest.raises(ResourceError, match="rollout.replica_gpus=1"):
+        check_nccl_devices(cfg, "broadcast")
+    check_nccl_devices(cfg, "ipc")  # one GPU for all: CUDA IPC, no NCCL ranks
+    check_nccl_devices(load_config(None, ["rollout.replica_gpus=1", "rollout.max_replicas=2"]), "broadcast")
 
 
 def test_train_worker_gpus_counted_and_checked():

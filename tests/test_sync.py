@@ -233,6 +233,28 @@ def test_hub_join_push_ack_cycle():
     asyncio.run(scenario())
 
 
+def test_announcement_to_a_stale_epoch_is_refused():
+    """The trainer announces with its epoch; the hub refuses (announces nothing) once the membership changed or
+    another epoch is current, so the trainer forms a new epoch first: no separate membership round trip."""
+
+    async def scenario():
+        hub = WeightHub()
+        await hub.register("r1")
+        g = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0)
+        assert await hub.announce(_plan(1), g.epoch) is True
+        assert hub.plan is not None and hub.plan.version == 1 and hub.announced_at > 0
+        assert await hub.announce(_plan(2), g.epoch + 1) is False  # not the current epoch
+        await hub.register("r2")  # a replica joins: the membership changed
+        assert await hub.announce(_plan(2), g.epoch) is False
+        assert hub.plan.version == 1  # nothing was announced
+        g2 = await hub.open_epoch("127.0.0.1", 1235, "gloo", 5.0)
+        assert await hub.announce(_plan(2), g2.epoch) is True
+        ins = await hub.next_instruction("r1", g2.epoch, 1, 0.1)
+        assert isinstance(ins, Push) and ins.plan.version == 2 and ins.announced_at == hub.announced_at
+
+    asyncio.run(scenario())
+
+
 def test_retry_of_a_version_ignores_answers_to_the_failed_try():
     """A replica whose engine died answers push v with a failure and is dropped; the retry of v in a new epoch
     without it must be judged on the new epoch's answers alone (a stale failure failed every retry)."""

@@ -38,12 +38,30 @@ def send_buckets(
     calls it for every bucket in the same order. Ranks without a group discard what they gathered. A send
     failure on rank 0 is raised only after the walk, so the other ranks are never left in a gather.
     `start(flat)` starts sending one packed bucket and returns the works to wait for (default: one broadcast).
+
+    Double-buffered: bucket k+1 is gathered, packed and checksummed while bucket k is in flight; at most two
+    buckets are staged at once (the wait for bucket k comes after bucket k+1 started).
     """
     stats = PushStats(version=plan.version, nbytes=plan.nbytes, buckets=len(plan.buckets))
     start = start or _broadcast_one(group)
     t_start = time.perf_counter()
     error: BaseException | None = None
     sums: list[torch.Tensor] = []
+    inflight: tuple[torch.Tensor, list[Any]] | None = None  # the bucket on the wire: its buffer and works
+
+    def settle() -> None:
+        nonlocal inflight, error
+        if inflight is None:
+            return
+        t = time.perf_counter()
+        try:
+            for work in inflight[1]:
+                group.wait(work)  # type: ignore[union-attr]
+        except Exception as e:  # keep walking: the other ranks are waiting in the gathers
+            error = error or e
+        inflight = None
+        stats.transfer_s += time.perf_counter() - t
+
     for bucket in plan.buckets:
         t0 = time.perf_counter()
         tensors = gather([t.name for t in bucket.tensors])
@@ -57,16 +75,18 @@ def send_buckets(
         stats.pack_s += t2 - t1
         try:
             works = start(flat)
-            # checksummed while the bytes are in flight; formatted after the walk (no device sync per bucket)
-            sums.append(_checksum_sums(flat))
-            for work in works:
-                group.wait(work)
-        except Exception as e:  # keep walking: the other ranks are waiting in the gathers
+        except Exception as e:
             error = e
-        if flat.is_cuda:
-            torch.cuda.synchronize(flat.device)
+            works = []
+        # checksummed while the bytes are in flight; formatted after the walk (no device sync per bucket)
+        sums.append(_checksum_sums(flat))
         stats.transfer_s += time.perf_counter() - t2
-    stats.checksums = _ck_strings(sums)
+        settle()  # the previous bucket: it overlapped this one's gather, pack and checksum
+        inflight = (flat, works)
+    settle()
+    if group is not None and group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    stats.checksums = _ck_strings(sums) if sums else []
     stats.total_s = time.perf_counter() - t_start
     if error is not None:
         raise SyncError(f"weight push v{plan.version} failed in the broadcast: {error}") from error

@@ -80,6 +80,7 @@ class WeightHub:
         self.acks: dict[tuple[str, int], dict[str, Ack]] = {}
         self.changed = asyncio.Condition()
         self.last_push: dict[str, Any] = {}
+        self.announced_at = 0.0
         self.control = control if control is not None else RunControl()
 
     async def _notify(self) -> None:
@@ -205,7 +206,14 @@ class WeightHub:
         await self._notify()
         return self.group
 
-    async def announce(self, plan: PushPlan) -> None:
+    async def announce(self, plan: PushPlan, epoch: int | None = None) -> bool:
+        """Announce `plan` to the members of the current epoch. With `epoch` (the trainer's group), refuse
+        (False, nothing announced) when that is no longer the current epoch or the membership changed since:
+        the trainer then forms a new epoch first. One round trip on the push's critical path."""
+        if epoch is not None and (
+            self.group is None or self.group.epoch != epoch or self.membership_changed()
+        ):
+            return False
         if plan.version < self.version:  # the trainer restored an earlier checkpoint: replicas roll back
             log.warning(
                 "version %d announced after %d: rolling the replicas back (trainer restored from a checkpoint)",
@@ -218,12 +226,14 @@ class WeightHub:
         # engine died since, say) must not fail this one
         self.acks.pop(("push", plan.version), None)
         self.plan = plan
+        self.announced_at = time.time()
         self.last_push = {
             "version": plan.version,
-            "announced_at": time.time(),
+            "announced_at": self.announced_at,
             "epoch": self.group.epoch if self.group else None,
         }
         await self._notify()
+        return True
 
     async def wait_acks(self, kind: str, key: int, timeout_s: float) -> Acks:
         """Wait until every member of the current epoch acknowledged (kind, key), or the deadline. A member
@@ -252,7 +262,7 @@ class WeightHub:
         in_epoch = g is not None and replica_id in g.ranks and g.epoch == epoch
         if m is not None and m.leaving:
             pending = in_epoch and plan is not None and plan.version > version
-            return Push(plan=plan) if pending else Leave()  # type: ignore[arg-type]
+            return Push(plan=plan, announced_at=self.announced_at) if pending else Leave()  # type: ignore[arg-type]
         if m is None or not m.alive:
             return Unknown()
         if g is not None and replica_id in g.ranks and g.epoch != epoch:
@@ -261,7 +271,7 @@ class WeightHub:
         # retried in a new epoch (the replica may have received it before a broadcast failed elsewhere:
         # every member must take part in the retry)
         if in_epoch and plan is not None and (plan.version != version or m.push_epoch != g.epoch):  # type: ignore[union-attr]
-            return Push(plan=plan)
+            return Push(plan=plan, announced_at=self.announced_at)
         return None
 
     async def next_instruction(self, replica_id: str, epoch: int, version: int, wait_s: float) -> Instruction:

@@ -90,9 +90,72 @@ class PushStats:
     pack_s: float = 0.0
     transfer_s: float = 0.0
     ack_s: float = 0.0
-    total_s: float = 0.0
+    total_s: float = 0.0  # the walk over the buckets (gather, pack, transfer)
+    group_s: float = 0.0  # rank 0: checking (and, after a membership change, forming) the weight group
+    announce_s: float = 0.0  # rank 0: the announcement's round trip to the hub
+    wall_s: float = 0.0  # the whole push as the trainer sees it: group, announce, walk, acknowledgements
+    failures: list[str] = field(default_factory=list)  # why each earlier try of this push failed (retried)
     checksums: list[str] = field(default_factory=list)
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica id -> its acknowledgement
+
+    # a replica's phases, in its acknowledgement (app/sync/replica.py): wake-up after the announcement, drain,
+    # pause call, the workers' receive (the RPC's round trip; worker: inside the worker, transfer and load inside
+    # that), version, resume
+    REPLICA_PHASES: ClassVar[tuple[str, ...]] = (
+        "wake_s", "drain_s", "pause_s", "receive_s", "worker_s", "transfer_s", "load_s", "version_s", "resume_s"
+    )  # fmt: skip
+
+    @property
+    def wall_s_or_sum(self) -> float:
+        """The whole push (`wall_s`), or walk + acknowledgements where only those were measured."""
+        return self.wall_s or (self.total_s + self.ack_s)
+
+    def replica_phases(self) -> dict[str, float]:
+        """Each replica phase's seconds on the slowest replica for that phase."""
+        out = {}
+        for phase in self.REPLICA_PHASES:
+            vals = [float(x[phase]) for x in self.extra.values() if phase in x]
+            if vals:
+                out[phase] = max(vals)
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """The push as a plain dict for reports and benches: version, bytes, buckets, the whole time, each
+        phase (trainer's, then the slowest replica's as `replica_<phase>`), failed tries, replicas."""
+        return {
+            "version": self.version,
+            "nbytes": self.nbytes,
+            "buckets": self.buckets,
+            "wall_s": self.wall_s_or_sum,
+            "phases": {
+                "group_s": self.group_s,
+                "announce_s": self.announce_s,
+                "gather_s": self.gather_s,
+                "pack_s": self.pack_s,
+                "transfer_s": self.transfer_s,
+                "ack_s": self.ack_s,
+                **{f"replica_{k}": v for k, v in self.replica_phases().items()},
+            },
+            "failures": list(self.failures),
+            "replicas": sorted(self.extra),
+            "summary": self.summary(),
+        }
+
+    def summary(self) -> str:
+        """One log line: the push in milliseconds, the trainer's phases, then the slowest replica's."""
+        trainer = {
+            "group": self.group_s,
+            "announce": self.announce_s,
+            "gather": self.gather_s,
+            "transfer": self.transfer_s,
+            "ack": self.ack_s,
+        }
+        replica = {p[:-2]: v for p, v in self.replica_phases().items()}
+        fmt = lambda d: " ".join(f"{k}={1000 * v:.1f}" for k, v in d.items()) or "-"  # noqa: E731
+        return (
+            f"push v{self.version}: {1000 * self.wall_s_or_sum:.1f} ms, {self.nbytes / 2**20:.1f} MiB in "
+            f"{self.buckets} bucket(s) [trainer {fmt(trainer)}] [replica {fmt(replica)}]"
+        )
 
 
 def plan_to_json(plan: PushPlan) -> str:
@@ -155,6 +218,7 @@ class Push:
 
     kind: ClassVar[str] = "push"
     plan: PushPlan
+    announced_at: float = 0.0  # the hub's wall clock at the announcement (the replica's wake-up latency)
 
 
 @dataclass(frozen=True, kw_only=True)

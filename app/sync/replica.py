@@ -227,7 +227,7 @@ class ReplicaSync:
                 await self._join(instr)
             elif isinstance(instr, Push):
                 async with self.lock:
-                    await self._receive(instr.plan)
+                    await self._receive(instr.plan, instr.announced_at)
 
     async def _control_loop(self) -> None:
         while not self.leaving and self.dead is None:
@@ -288,24 +288,43 @@ class ReplicaSync:
             return contextlib.nullcontext()
         return self.gate.drained(self.drain_timeout_s, f"replica {self.replica_id}, push of v{version}")
 
-    async def _receive(self, plan: PushPlan) -> None:
+    async def _receive(self, plan: PushPlan, announced_at: float = 0.0) -> None:
+        """Pause, receive and load in every worker, set the version, resume, acknowledge. The acknowledgement
+        carries each phase's seconds (`phases`): wake (announcement to here), drain, pause, receive (the
+        workers' RPC: transfer and load inside it), version, resume, and held (generation paused)."""
         t0 = time.perf_counter()
+        ph: dict[str, float] = {"wake_s": max(0.0, time.time() - announced_at) if announced_at else 0.0}
         try:
             async with self._drained(plan.version):
+                t1 = time.perf_counter()
                 await vla.pause(self.engine, self.partial, self.recompute_kv)
+                t2 = time.perf_counter()
                 try:
                     res = await vla.rpc(
                         self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan)
                     )
                 finally:
+                    t3 = time.perf_counter()
                     await self._set_version(plan.version)
+                    t4 = time.perf_counter()
                     await vla.resume(self.engine)
+                    t5 = time.perf_counter()
             self.admitted.set()
-            timing = {"transfer_s": res[0]["transfer_s"], "load_s": res[0]["load_s"]}
+            ph.update(
+                drain_s=t1 - t0,
+                pause_s=t2 - t1,
+                receive_s=t3 - t2,
+                version_s=t4 - t3,
+                resume_s=t5 - t4,
+                held_s=t5 - t1,
+                transfer_s=max(r["transfer_s"] for r in res),
+                load_s=max(r["load_s"] for r in res),
+                worker_s=max(r["receive_s"] for r in res),
+            )
             ack = Ack(
                 ok=True,
                 checksums=res[0]["checksums"],
-                detail={**timing, "pause_s": time.perf_counter() - t0},
+                detail={**ph, "acked_at": time.time()},
             )
             await self.hub.ack.remote(self.replica_id, "push", plan.version, ack)
         except Exception as e:

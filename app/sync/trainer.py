@@ -46,6 +46,7 @@ class TrainerSync:
         # an unknown name fails here, before any push; an unopened transport only walks the gathers
         self.walker = make_transport(self.transport_name)
         self.transport: WeightTransport | None = None  # rank 0's end of the current epoch
+        self.epoch: int | None = None  # that epoch's number
         self.backend = resolve_backend(cfg.sync.backend, device)
         self.last: PushStats | None = None
 
@@ -93,15 +94,13 @@ class TrainerSync:
     def _close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-            self.transport = None
+            self.transport, self.epoch = None, None
 
     def _ensure_group(self, deadline: float) -> None:
         """Rank 0: (re)form the epoch when there is none or the membership changed; drop who fails to join.
         Tries again until `deadline` (members that failed to join register again and are retried)."""
         import ray
 
-        if self.transport is not None and not ray.get(self.hub.membership_changed.remote()):
-            return
         self._close()
         host = ray.util.get_node_ip_address()
         tries, last = 0, "no replica"
@@ -147,7 +146,7 @@ class TrainerSync:
         except SyncError:
             transport.close()
             raise
-        self.transport = transport
+        self.transport, self.epoch = transport, info.epoch
         log.info(
             "weight group epoch %d formed (%s): %d receivers in %.2fs",
             info.epoch,
@@ -156,6 +155,27 @@ class TrainerSync:
             time.perf_counter() - t0,
         )
         return None
+
+    def _announce(self, plan: Any, deadline: float) -> tuple[float, float]:
+        """Rank 0: announce `plan` to the current epoch, forming a new one first where there is none or the
+        hub refuses (the membership changed). Returns the seconds spent forming and announcing."""
+        import ray
+
+        group_s = announce_s = 0.0
+        for _ in range(2):  # at most: refused once (membership changed), formed, announced
+            if self.transport is None:
+                t0 = time.perf_counter()
+                self._ensure_group(deadline)
+                group_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ok = ray.get(self.hub.announce.remote(plan, self.epoch))
+            announce_s += time.perf_counter() - t0
+            if ok:
+                return group_s, announce_s
+            self._close()
+        raise SyncError(
+            f"the weight hub refused the announcement of v{plan.version} twice (membership churn)"
+        )
 
     def _send(self, plan: Any) -> tuple[PushStats, str | None]:
         """Every rank walks the plan (rank 0 sends); rank 0 then waits for and checks the acknowledgements."""
@@ -189,30 +209,36 @@ class TrainerSync:
         """Push `version` to every replica; collective over the trainer ranks. After a failure (a replica
         died mid-push) the group re-forms without it and the push is tried again until the push's deadline
         (`_budget_s`); every try ends in a collective, so all ranks agree on when to stop."""
-        import ray
 
         s = self.cfg.sync
         mb = float(getattr(s, getattr(self.walker, "bucket_setting", "bucket_mb"), s.bucket_mb))
         plan = plan_buckets(self.learner.push_specs(), int(mb * 2**20), version)
+        t_start = time.perf_counter()
         deadline = time.monotonic() + self._budget_s()
         tries = 0
+        failures: list[str] = []
         while True:
             tries += 1
             err: str | None = None
             stats = PushStats(version=version)
+            group_s = announce_s = 0.0
             if self.rank == 0:
                 try:
-                    self._ensure_group(deadline)
-                    ray.get(self.hub.announce.remote(plan))
+                    group_s, announce_s = self._announce(plan, deadline)
                 except Exception as e:
                     err = f"{e}"
             if _bcast(err is None):
                 stats, err = self._send(plan)
             err = _bcast(err)
             if err is None:
+                stats.group_s, stats.announce_s, stats.failures = group_s, announce_s, failures
+                stats.wall_s = time.perf_counter() - t_start
                 self.last = stats
+                if self.rank == 0:
+                    log.info("%s", stats.summary())
                 return stats
             log.warning("push of version %d failed (try %d): %s", version, tries, err)
+            failures.append(err)
             if self.rank == 0:
                 self._close()
             if _bcast(time.monotonic() > deadline):  # rank 0's clock decides for every rank

@@ -68,17 +68,25 @@ def step_metrics(
 
 
 def push_metrics(push: PushStats, step: int) -> dict[str, float]:
-    pauses = [x.get("pause_s", 0.0) for x in push.extra.values()]
+    """The push as the trainer saw it (`sync/time_s`, the whole call) and its phases: the trainer's (group,
+    announce, gather, transfer, ack) and the slowest replica's (`sync/replica/<phase>`: wake-up after the
+    announcement, drain, pause call, the workers' receive with its transfer and load, version, resume);
+    `sync/pause_s` is how long generation was held on the slowest replica."""
+    extra = list(push.extra.values())
     m = {
-        "sync/time_s": push.total_s + push.ack_s,
+        "sync/time_s": push.wall_s_or_sum,
+        "sync/group_s": push.group_s,
+        "sync/announce_s": push.announce_s,
         "sync/gather_s": push.gather_s,
         "sync/transfer_s": push.transfer_s,
         "sync/ack_s": push.ack_s,
-        "sync/pause_s": max(pauses, default=0.0),
+        "sync/pause_s": max((x.get("held_s", x.get("pause_s", 0.0)) for x in extra), default=0.0),
         "sync/bytes": float(push.nbytes),
-        "rollout/replicas": float(len(push.extra)),
+        "sync/retries": float(len(push.failures)),
+        "rollout/replicas": float(len(extra)),
     }
-    joins = [x["join_s"] for x in push.extra.values() if "join_s" in x]
+    m.update({f"sync/replica/{p}": v for p, v in push.replica_phases().items()})
+    joins = [x["join_s"] for x in extra if "join_s" in x]
     if joins and step > 1:  # a replica admitted mid-run (the initial ones join at version 0)
         m["rollout/join_s"] = max(joins)
     return m

@@ -18,6 +18,7 @@ import torch
 
 from app.log_filters import silence_vllm_reload_warnings
 from app.sync import checksum, group_from_json, make_transport, plan_from_json
+from app.sync.records import dtype_of
 from app.vllm.fast_load import copy_into, plan_slots
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class RelayWorkerExtension:
         if transport is None:
             raise RuntimeError("relay_receive before relay_join: this worker is not in the weight group")
         plan = plan_from_json(plan_json)
+        self._relay_pushed = {t.name: (tuple(t.shape), t.dtype) for b in plan.buckets for t in b.tensors}
         model = self.get_model()
         if load is None:
             load = "layerwise" if self._relay_needs_reload() else "slots"
@@ -93,6 +95,44 @@ class RelayWorkerExtension:
         if slots is None:
             return None
         return lambda items: copy_into(params, slots, items)
+
+    def relay_loaded_checksums(self) -> dict[str, Any]:
+        """What the engine holds for each tensor of the last push, read back from its place in the model (a
+        packed parameter's rows included) in the pushed dtype: {"checksums": {name: checksum}, "skipped": [names
+        not held separately, e.g. a tied lm_head]}. Whatever way the push was loaded, these must equal the
+        trainer's checksums of the tensors it pushed (the GPU tier asserts it). Needs whole parameters (tensor
+        parallel size 1, unquantized): elsewhere {"checksums": {}, "why": ...}."""
+        pushed = getattr(self, "_relay_pushed", None)
+        if not pushed:
+            return {"checksums": {}, "why": "nothing pushed yet"}
+        model = self.get_model()
+        params = dict(model.named_parameters())
+        tied = bool(getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False))
+        slots = plan_slots(
+            {n: shape for n, (shape, _) in pushed.items()},
+            {n: tuple(p.shape) for n, p in params.items()},
+            getattr(model, "packed_modules_mapping", {}) or {},
+            skip=("lm_head.",) if tied else (),
+        )
+        if slots is None:
+            return {
+                "checksums": {},
+                "why": "the engine's parameters are not whole copies of the pushed tensors",
+            }
+        out, skipped = {}, []
+        for name, slot in slots.items():
+            if slot is None:
+                skipped.append(name)
+                continue
+            held = params[slot.param].detach().narrow(0, slot.start, slot.rows)
+            out[name] = checksum(held.to(dtype_of(pushed[name][1])).reshape(-1))
+        return {"checksums": out, "skipped": skipped}
+
+    def relay_pid(self) -> int:
+        """This worker's process id (for an operator, or a fault test that kills the engine)."""
+        import os
+
+        return os.getpid()
 
     def relay_params_digest(self) -> dict[str, str]:
         """Checksum of every parameter of the engine's model (names as vLLM holds them; for tests)."""

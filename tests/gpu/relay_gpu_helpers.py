@@ -201,10 +201,12 @@ def train_rank(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str, 
         layer0 = learner.model.model.layers[0]
 
         def hook(mod: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            seen["weight"] = str(mod.weight.dtype)
+            # on the MLP, not its gate_proj: on a GPU the compiled layers (app/compiled.py) call the MLP's
+            # weights directly, so a hook on the Linear submodule never fires
+            seen["weight"] = str(mod.gate_proj.weight.dtype)
             seen["input"] = str(args[0].dtype)
 
-        handle = layer0.mlp.gate_proj.register_forward_hook(hook)
+        handle = layer0.mlp.register_forward_hook(hook)
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
@@ -331,7 +333,7 @@ def receiver_main(
 
 
 def wait_msgs(acks: Any, kind: str, key: int, rids: list[str], deadline: float) -> dict[str, Any]:
-    """Collect (kind, key) messages from `rids` until all arrived or the deadline; check_acks' format."""
+    """Collect (kind, key) messages from `rids` until all arrived or the deadline."""
     got: dict[str, Any] = {}
     while set(got) != set(rids):
         left = deadline - time.monotonic()
@@ -343,9 +345,22 @@ def wait_msgs(acks: Any, kind: str, key: int, rids: list[str], deadline: float) 
             continue
         if msg["kind"] == kind and msg["key"] == key and msg["rid"] in rids:
             got[msg["rid"]] = msg
-    out: dict[str, Any] = dict(got)
-    out["__missing__"] = {"ids": sorted(set(rids) - set(got))}
-    return out
+    return got
+
+
+def expect(msgs: dict[str, Any], rid: str, what: str, checksums: list[str] | None = None) -> dict[str, Any]:
+    """The receiver's answer, or SyncError naming it (this transport-level harness has no hub: the real
+    push's acknowledgements are tested on the real hub in test_disagg_gpu.py)."""
+    from app.sync import SyncError
+
+    msg = msgs.get(rid)
+    if msg is None:
+        raise SyncError(f"replica {rid} did not acknowledge {what} (dead or stuck)")
+    if not msg["ok"]:
+        raise SyncError(f"replica {rid} failed {what}: {msg.get('error')}")
+    if checksums is not None and msg["checksums"] != checksums:
+        raise SyncError(f"replica {rid} loaded different bytes for {what} (checksum mismatch)")
+    return msg
 
 
 class Epoch:
@@ -354,7 +369,7 @@ class Epoch:
     def __init__(
         self, epoch: int, behaviour: str, timeout_s: float, dev: torch.device, model_dir: str | None = None
     ) -> None:
-        from app.sync import StatelessGroup, check_acks
+        from app.sync import StatelessGroup
 
         self.epoch, self.timeout_s, self.dev = epoch, timeout_s, dev
         self.rid = f"replica-e{epoch}-{behaviour}"
@@ -367,16 +382,16 @@ class Epoch:
         )
         self.proc.start()
         ready = wait_msgs(self.acks, "ready", epoch, [self.rid], time.monotonic() + 120)
-        check_acks(ready, "ready", epoch, None, 120)
+        expect(ready, self.rid, f"ready {epoch}")
         t0 = time.monotonic()
         self.group = StatelessGroup(HOST, self.port, 0, 2, BACKEND, timeout_s, epoch, dev)
         joined = wait_msgs(self.acks, "join", epoch, [self.rid], t0 + timeout_s)
-        check_acks(joined, "join", epoch, None, timeout_s)
+        expect(joined, self.rid, f"join {epoch}")
         self.join_s = time.monotonic() - t0
 
     def push(self, plan: Any, gather: Any, deadline_s: float) -> tuple[Any, dict, float]:
         """Announce, send, and wait for the acknowledgement; SyncError (naming the replica) on any failure."""
-        from app.sync import SyncError, check_acks, send_buckets
+        from app.sync import SyncError, send_buckets
 
         t0 = time.monotonic()
         self.inbox.put(plan)  # the announcement (WeightHub.announce in the real system)
@@ -387,7 +402,7 @@ class Epoch:
             send_err = e
         acks = wait_msgs(self.acks, "push", plan.version, [self.rid], t0 + deadline_s)
         try:
-            check_acks(acks, "push", plan.version, stats.checksums if stats else None, deadline_s)
+            expect(acks, self.rid, f"push {plan.version}", stats.checksums if stats else None)
         except SyncError as e:
             raise SyncError(f"{e}" + (f" [sender: {send_err}]" if send_err else "")) from None
         if send_err is not None:

@@ -60,3 +60,148 @@ def logprob_loop(config: dict[str, Any]) -> None:
         }
         with open(config["out"], "w") as f:
             json.dump(out, f)
+
+
+# ---------------------------------------------------------------- the 2-GPU tier (tests/gpu/test_disagg_gpu.py)
+
+
+def _push_record(stats: Any) -> dict[str, Any]:
+    return stats.record()
+
+
+def _exact(learner: Any, handle: Any) -> dict[str, Any]:
+    """The trainer's checksum of every pushed tensor against what the replica's engine holds in its place."""
+    from app.sync import checksum
+
+    names = [n for n, _, _ in learner.push_specs()]
+    mine = {n: checksum(t.reshape(-1)) for n, t in zip(names, learner.gather(names), strict=True)}
+    theirs = handle.loaded_checksums.remote().result(timeout_s=60)
+    worker = theirs["workers"][0]
+    held = worker["checksums"]
+    return {
+        "replica": theirs["replica"],
+        "version": theirs["version"],
+        "compared": len(held),
+        "skipped": worker.get("skipped", []),
+        "why": worker.get("why"),
+        "unequal": sorted(n for n in held if held[n] != mine.get(n)),
+        "missing": sorted(set(mine) - set(held) - set(worker.get("skipped", []))),
+    }
+
+
+def _until(what: str, fn: Any, timeout_s: float) -> Any:
+    """Poll `fn()` until it returns something truthy, under a deadline; raise naming `what`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f}s")
+        time.sleep(0.005)
+
+
+def _push_mid_generation(sync: Any, handle: Any, version: int, cfg: Any) -> dict[str, Any]:
+    """Long generations in flight, then a push (keep mode): their tokens must carry both versions."""
+    from app.records import GenerateRequest
+
+    req = GenerateRequest(
+        prompt_ids=[5, 6, 7, 8], max_tokens=cfg.rollout.max_model_len - 8, n=4, ignore_eos=True
+    )
+    calls = [handle.generate.remote(req) for _ in range(8)]
+    _until("a generation in flight", lambda: handle.info.remote().result(timeout_s=30)["ongoing"] > 0, 60)
+    stats = sync.push(version)
+    outs = [c.result(timeout_s=120) for c in calls]
+    versions = [s.versions for o in outs for s in o.samples]
+    return {"push": _push_record(stats), "versions": versions}
+
+
+def _push_through_engine_kill(sync: Any, hub: Any, handle: Any, version: int) -> dict[str, Any]:
+    """The replica's engine is frozen (SIGSTOP) before the push and SIGKILLed once the push is announced,
+    as a crash mid-push: that try must fail naming the replica, and the push completes on the replica Serve
+    starts in its place (the version-gated join)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import ray
+
+    info = handle.info.remote().result(timeout_s=30)
+    victim, core = info["replica"], info["engine_pids"][0]  # the vLLM worker: the EngineCore process (TP 1)
+    os.kill(core, signal.SIGSTOP)
+    box: dict[str, Any] = {}
+
+    def push() -> None:
+        try:
+            box["stats"] = sync.push(version)
+        except Exception as e:  # recorded: the test asserts what it says
+            box["error"] = repr(e)
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=push, daemon=True)
+    th.start()
+    _until(
+        f"the announcement of v{version}",
+        lambda: ray.get(hub.status.remote(), timeout=30)["last_push"].get("version") == version,
+        60,
+    )
+    os.kill(core, signal.SIGKILL)
+    th.join(timeout=sync._budget_s() + 60)
+    after = ray.get(hub.status.remote(), timeout=30)
+    return {
+        "victim": victim,
+        "elapsed_s": time.monotonic() - t0,
+        "push": _push_record(box["stats"]) if "stats" in box else None,
+        "error": box.get("error"),
+        "dropped": after["members"][victim].get("dropped"),
+        "alive_after": th.is_alive(),
+    }
+
+
+def disagg_loop(config: dict[str, Any]) -> None:
+    """The 2-GPU tier: the trainer (this Ray Train worker, GPU0) pushes over NCCL into a Serve vLLM replica
+    (GPU1) through the real TrainerSync and WeightHub; writes what happened to `config["out"]` as JSON."""
+    import ray
+    import torch
+    from omegaconf import OmegaConf
+    from ray import serve
+
+    from app.rollouter import rollouter_name
+    from app.serve_rollout import DEPLOYMENT_NAME, NAMESPACE, app_name, hub_name
+    from app.train_loop import Learner
+    from app.train_worker import TrainerSync
+
+    cfg = OmegaConf.create(config["cfg"])
+    cuda = config.get("cuda", True)  # False: the same scenario on CPU over gloo (a check of this harness)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    learner = Learner(cfg, config["model_path"], dev)
+    hub = ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE)
+    sync = TrainerSync(cfg, learner, hub, dev)
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
+    out: dict[str, Any] = {"transport": sync.transport_name, "backend": sync.backend, "pushes": []}
+    out["pushes"].append(_push_record(sync.push(0)))
+    out["exact_v0"] = _exact(learner, handle)
+    rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
+    batch = ray.get(rollouter.generate_batch.remote(4), timeout=120)
+    g = batch.groups[0]
+    prompt, completion = g.prompt_ids, g.samples[0].token_ids
+    out["trainer_before"] = learner.logprobs_of(prompt, completion)
+    out["vllm_before"] = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
+    learner.step(batch)
+    out["pushes"].append(_push_record(sync.push(1)))
+    out["exact_v1"] = _exact(learner, handle)
+    out["trainer_after"] = learner.logprobs_of(prompt, completion)
+    out["vllm_after"] = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
+    for v in range(2, 2 + int(config.get("timed_pushes", 8))):  # back to back: the push alone
+        out["pushes"].append(_push_record(sync.push(v)))
+    v = 2 + int(config.get("timed_pushes", 8))
+    out["keep"] = _push_mid_generation(sync, handle, v, cfg)
+    out["kill"] = _push_through_engine_kill(sync, hub, handle, v + 1)
+    if out["kill"]["push"] is not None:
+        out["after_kill"] = _push_record(sync.push(v + 2))
+        out["exact_after_kill"] = _exact(learner, handle)
+    with open(config["out"], "w") as f:
+        json.dump(out, f)
