@@ -141,45 +141,60 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         status = "FINISHED"
         return out
     finally:
-        rec.tracker.end(status)
+        rec.close(status)
         teardown(cfg, started)
 
 
 @dataclass
 class _Run:
-    """One run's name, folder and MLflow run."""
+    """One run's name, folder (locked while the run lives: app/run_lock.py) and MLflow run."""
 
     name: str
     dir: Path
     uri: str
     tracker: Any
+    lock: Any = None
+
+    def close(self, status: str) -> None:
+        """End the MLflow run (its queued calls flushed within a deadline), then free the run folder."""
+        try:
+            self.tracker.end(status)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
     """The run folder under `run_dir` (durable: app/storage.py) with its config, and its MLflow run."""
+    from app.run_lock import RunLock, new_run_name
     from app.storage import resolve_run_dir
     from app.tracking import Tracker, default_uri
 
-    name = cfg.tracking.run_name or time.strftime("relay-%Y%m%d-%H%M%S")
+    name = cfg.tracking.run_name or new_run_name()  # unique also for runs started in the same second
     root = resolve_run_dir(cfg.run_dir)
     run_dir = root / name
-    if (run_dir / "ray_train").exists() and not resume:
-        # Ray Train would quietly continue the earlier run's checkpoints under this name
-        raise FileExistsError(
-            f"{run_dir} already holds a run named {name!r}: continue it with `--resume {run_dir}`, or "
-            "give this run another tracking.run_name (or run_dir)"
-        )
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    uri = cfg.tracking.uri or default_uri(str(root))
-    tracker = Tracker.start(uri, cfg.tracking.experiment, name, flatten(cfg))
+    lock = RunLock.acquire(run_dir)  # a live run with this name: refused here, naming it
+    try:
+        if (run_dir / "ray_train").exists() and not resume:
+            # Ray Train would quietly continue the earlier run's checkpoints under this name
+            raise FileExistsError(
+                f"{run_dir} already holds a run named {name!r}: continue it with `--resume {run_dir}`, or "
+                "give this run another tracking.run_name (or run_dir)"
+            )
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        uri = cfg.tracking.uri or default_uri(str(root))
+        tracker = Tracker.start(uri, cfg.tracking.experiment, name, flatten(cfg))  # an unreachable URI fails
+    except BaseException:
+        lock.release()
+        raise
     tracker.artifact(str(run_dir / "config.yaml"))
     if resume:
         tracker.tags({"relay.resumed_from": resume})
         log.info("resuming from checkpoint %s", resume)
     log.info("run %s: MLflow run %s at %s", name, tracker.run_id, uri)
     tracker.start_system_metrics()
-    return _Run(name=name, dir=run_dir, uri=uri, tracker=tracker)
+    return _Run(name=name, dir=run_dir, uri=uri, tracker=tracker, lock=lock)
 
 
 def _plan_resources(cfg: DictConfig) -> DictConfig:

@@ -35,7 +35,11 @@ def train_worker(config: dict[str, Any]) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     t = build(OmegaConf.create(config["cfg"]), config)
-    run(t, restore_or_start(t, config.get("resume")))
+    try:
+        run(t, restore_or_start(t, config.get("resume")))
+    finally:  # rank 0's queued MLflow calls, written within a deadline (app/tracking.py)
+        if t.tracker is not None:
+            t.tracker.close()
 
 
 def build(cfg: Any, config: dict[str, Any]) -> Trainer:

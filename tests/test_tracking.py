@@ -1,0 +1,257 @@
+"""app/tracking.py without Ray: the background writer against a real SQLite store and against an HTTP server
+that dies (calls return at once, drops counted), name sanitising, the start probe, concurrent store creation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from app import tracking
+from app.tracking import MetricNames, Tracker, TrackingError, check_reachable, safe_metric_name
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sqlite(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _FakeMlflow:
+    """A tiny HTTP server that answers `{}` to every request (enough for MLflow's log-batch) and records
+    the requests; `stop()` kills it, `start()` brings it back on the same port."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, bytes]] = []
+        self.port = 0
+        self.start()
+
+    def start(self) -> None:
+        got = self.got
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                got.append((self.path, body))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def batches(self) -> list[dict]:
+        return [json.loads(b) for p, b in self.got if p.endswith("runs/log-batch") and b]
+
+
+def _wait(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "reward/sub/acc(strict)",
+        "pass@k",
+        "a//b",
+        "/lead",
+        "trail/",
+        "../up",
+        "x/./y",
+        "..",
+        "über",
+        "",
+        "q" * 300,
+        "tab\tand\nnewline",
+    ],
+)
+def test_safe_metric_name_is_accepted_by_mlflow(name):
+    from mlflow.utils.validation import _validate_metric_name
+
+    safe = safe_metric_name(name)
+    _validate_metric_name(safe)  # raises where MLflow would refuse it
+    assert len(safe) <= 250 and safe
+
+
+def test_safe_names_stay_unchanged_and_renames_stay_distinct(caplog):
+    for ok in ("loss/policy", "reward/mean", "sync/time_s", "val/reward", "a-b.c d:e"):
+        assert safe_metric_name(ok) == ok
+    names = MetricNames()
+    with caplog.at_level(logging.WARNING, logger="app.tracking"):
+        a = names("acc(strict)")
+        b = names("acc_strict_")
+        again = names("acc(strict)")
+    assert a == ("acc_strict_", True) and again == ("acc_strict_", False)
+    assert b[0] != "acc_strict_"  # a different original never shares the logged name
+    assert names.renamed == {"acc(strict)": "acc_strict_", "acc_strict_": "acc_strict__2"}
+    assert sum("acc(strict)" in r.message for r in caplog.records) == 1  # warned once
+
+
+def test_tracker_writes_to_sqlite_in_the_background(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = _sqlite(tmp_path)
+    t = Tracker.start(uri, "exp", "run-a", {"train.lr": 1e-3})
+    t.metrics({"reward/sub/acc(strict)": 0.5, "loss": 2.0, "skip": math.nan, "text": "x"}, 1)  # type: ignore[dict-item]
+    t.metrics({"reward/sub/acc(strict)": 0.75, "loss": 1.0}, 2)
+    t.text("hello", "notes/hello.txt")
+    assert t.end("FINISHED")
+    run = MlflowClient(uri).get_run(t.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["train.lr"] == "0.001"
+    assert run.data.metrics == {"reward/sub/acc_strict_": 0.75, "loss": 1.0}
+    assert json.loads(run.data.tags["relay.renamed_metrics"]) == {
+        "reward/sub/acc(strict)": "reward/sub/acc_strict_"
+    }
+    assert [m.step for m in MlflowClient(uri).get_metric_history(t.run_id, "loss")] == [1, 2]
+    assert t.writer.dropped == 0
+
+
+def test_one_refused_metric_drops_only_itself(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = _sqlite(tmp_path)
+    t = Tracker.start(uri, "exp", "run-b", {})
+    t.names = lambda n: (n, False)  # type: ignore[assignment]  (unsanitised: MLflow refuses the batch)
+    t.metrics({"bad(name)": 1.0, "good": 2.0, "also/good": 3.0}, 1)
+    t.metrics({"good": 4.0}, 2)
+    assert t.close(timeout_s=30)
+    metrics = MlflowClient(uri).get_run(t.run_id).data.metrics
+    assert metrics["good"] == 4.0 and metrics["also/good"] == 3.0 and "bad(name)" not in metrics
+    assert t.writer.dropped == 1 and metrics["tracking/dropped"] == 1.0  # logged with the next metrics
+
+
+def test_dead_server_never_blocks_a_step_and_drops_are_counted(monkeypatch):
+    monkeypatch.setattr(tracking, "BACKOFF_MAX_S", 0.5)
+    srv = _FakeMlflow()
+    t = Tracker(srv.uri, "run-c", queue_size=5)
+    t.metrics({"loss": 1.0}, 1)
+    _wait(lambda: len(srv.batches()) == 1)
+    srv.stop()  # the server dies mid-run
+    t0 = time.monotonic()
+    for step in range(2, 32):
+        s0 = time.monotonic()
+        t.metrics({"loss": float(step)}, step)
+        assert time.monotonic() - s0 < 0.05  # returns at once
+    assert time.monotonic() - t0 < 1.0
+    assert t.writer.dropped >= 24  # 30 calls: the queue holds 5, one may be in flight
+    srv.start()  # back: what the queue held is written, with the count of the dropped ones
+    assert t.close(timeout_s=60, give_up_s=60)
+    steps = [m["step"] for b in srv.batches() for m in b.get("metrics", []) if m["key"] == "loss"]
+    assert steps[0] == 1 and len(steps) == 1 + 30 - t.writer.dropped
+    dropped = [
+        m["value"] for b in srv.batches() for m in b.get("metrics", []) if m["key"] == "tracking/dropped"
+    ]
+    assert dropped and dropped[-1] == t.writer.dropped
+    srv.stop()
+
+
+def test_unreachable_server_costs_the_end_seconds_not_minutes(caplog):
+    t = Tracker(f"http://127.0.0.1:{_closed_port()}", "run-d", queue_size=100)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="app.tracking"):
+        for step in range(1, 51):
+            t.metrics({"loss": 1.0}, step)
+        assert time.monotonic() - t0 < 0.5
+        assert not t.close(timeout_s=30, give_up_s=2)
+    assert time.monotonic() - t0 < 15
+    assert t.writer.dropped == 50
+    assert any("training goes on" in r.message for r in caplog.records)
+
+
+def test_start_refuses_an_unreachable_server_within_seconds(tmp_path):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(TrackingError, match=f"tracking.uri={uri}: no MLflow server answers"):
+        Tracker.start(uri, "exp", "x", {})
+    assert time.monotonic() - t0 < 5
+
+
+def test_probe_times_out_on_a_server_that_never_answers():
+    with socket.socket() as s:  # listens (connect succeeds) but never accepts nor answers
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        uri = f"http://127.0.0.1:{s.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(TrackingError, match="no MLflow server answers"):
+            check_reachable(uri, timeout_s=1.0)
+        assert time.monotonic() - t0 < 4
+    srv = _FakeMlflow()
+    check_reachable(srv.uri)  # a server that answers passes
+    check_reachable("sqlite:///nowhere/mlflow.db")  # not probed
+    srv.stop()
+
+
+_START = """
+import sys, time
+from app.tracking import Tracker
+go = float(sys.argv[2])
+time.sleep(max(0.0, go - time.time()))
+t = Tracker.start(sys.argv[1], "shared", sys.argv[3], {"a": 1})
+t.metrics({"loss": 1.0}, 1)
+assert t.end("FINISHED")
+"""
+
+
+def test_two_processes_create_the_same_sqlite_store_at_once(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = _sqlite(tmp_path)
+    go = time.time() + 6  # both past their imports: they create and migrate the store at the same moment
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _START, uri, str(go), f"run-{i}"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("shared")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["run-0", "run-1"]
+    assert all(r.info.status == "FINISHED" for r in runs)
