@@ -30,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="continue from a checkpoint (its directory, or a run directory: its newest checkpoint)",
     )
+    tr.add_argument(
+        "--resume-with-new-data",
+        action="store_true",
+        help="with --resume: allow other training data (data.train) than the checkpoint's; its prompt queue "
+        "is dropped and the new data starts its first epoch",
+    )
     tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20")
     ref = sub.add_parser(
         "config", help="print the config reference (every key, default, valid values, meaning)"
@@ -72,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         overrides = list(args.overrides)
+        if args.resume_with_new_data and not args.resume:
+            raise ConfigError(
+                "--resume-with-new-data applies to a resume: give --resume PATH too, or drop it"
+            )
         if args.resume:
             overrides.append(f"train.resume={args.resume}")
         cfg = load_config(args.config, overrides)
@@ -85,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(OmegaConf.to_yaml(cfg))
         return 0
     _quiet_progress_bars()
+    from app.checkpoint import CheckpointError
     from app.driver import run
+    from app.resume_check import ResumeMismatch
 
     try:
-        result = run(cfg)
+        result = run(cfg, resume_with_new_data=args.resume_with_new_data)
+    except (CheckpointError, ResumeMismatch) as e:  # refused before Ray started: the message says it all
+        log.error("%s", e)
+        _emit_result({"ok": False, "error": str(e)[:2000]})
+        return 1
     except Exception as e:
         log.exception("run failed: %s", e)
         _emit_result({"ok": False, "error": str(e)[:2000]})

@@ -120,15 +120,23 @@ def start_ray(cfg: DictConfig) -> bool:
     return True
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """One training run. Returns the RESULT record; raises if the run failed."""
-    from app import checkpoint
+def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
+    """One training run. Returns the RESULT record; raises if the run failed. With `train.resume`, the
+    checkpoint is verified and compared with this run's model and data before Ray starts
+    (`resume_with_new_data`: a change of data.train is allowed, the checkpoint's queue dropped)."""
+    from app import checkpoint, resume_check
     from app.serve_rollout import app_name
 
     t0 = time.time()
-    resume = str(checkpoint.find(cfg.train.resume)) if cfg.train.resume else None  # fails early, clearly
+    picked = checkpoint.select(cfg.train.resume) if cfg.train.resume else None  # fails early, clearly
     inputs = resolve_inputs(cfg)
+    identity = resume_check.identity(to_container(cfg), inputs.model_path, inputs.train, inputs.val)
+    if picked is not None:
+        picked.warn()  # a damaged newer checkpoint skipped, or one written before manifests
+        resume_check.check(picked.path, identity, resume_with_new_data)
+    resume = str(picked.path) if picked is not None else None
     rec = _open_run(cfg, resume)
+    (rec.dir / resume_check.IDENTITY).write_text(json.dumps(identity))  # each checkpoint keeps a copy
     started = start_ray(cfg)
     status = "FAILED"
     try:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from app import checkpoint
+from app import checkpoint, resume_check
 from app.records import PipelineSnapshot
 from app.trainer.comm import bcast
 from app.trainer.parts import Trainer
@@ -47,40 +45,42 @@ class RunState:
         return st
 
 
-def _choose(t: Trainer, resume: str | None) -> tuple[Any, str | None, bool]:
-    """(Ray Train checkpoint, path, restart): a checkpoint to continue from. After a worker failure Ray
-    Train's latest, or a newer complete one in this run's storage (one reported just before the failure may
-    not have been registered yet); else --resume's. Decided by rank 0 for every rank."""
+def _choose(t: Trainer, resume: str | None) -> tuple[str | None, bool]:
+    """(checkpoint path, restart): what to continue from. After a worker failure (a restart) the newest
+    complete checkpoint of this run's storage (damaged ones skipped with a warning), else --resume's; on a
+    first start --resume's, which the driver verified and checked against this run's config. Decided by
+    rank 0 for every rank."""
     import ray
-    import ray.train
 
-    ckpt = ray.train.get_checkpoint()
     choice: dict[str, Any] = {}
     if t.lead:
         restart = ray.get(t.actors.hub.status.remote(), timeout=30)["version"] >= 0  # this run pushed
-        found = checkpoint.newest(t.run_dir / "ray_train") if restart else None
-        if ckpt is not None and found is not None:
-            with ckpt.as_directory() as d:
-                if json.loads(Path(d, checkpoint.STATE).read_text())["step"] >= found[0]:
-                    found = None
-        choice = {"restart": restart, "path": str(found[1]) if found else None}
+        path = resume
+        if restart and (found := checkpoint.newest(t.run_dir / "ray_train")) is not None:
+            found.warn()
+            path = str(found.path)
+        choice = {"restart": restart, "path": path}
     choice = bcast(choice)
-    if choice["path"]:
-        return None, choice["path"], choice["restart"]
-    return ckpt, None if ckpt is not None else resume, choice["restart"]
+    return choice["path"], choice["restart"]
 
 
 def restore_or_start(t: Trainer, resume: str | None) -> RunState:
     """The run's state: restored from a checkpoint (model, optimizer, counters, rollout pipeline), or new."""
-    ckpt, path, restart = _choose(t, resume)
-    with ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(path) as ckpt_dir:
-        if ckpt_dir:
-            return _restore(t, Path(ckpt_dir), restart)
+    path, restart = _choose(t, resume)
+    if path:
+        return _restore(t, Path(path), restart)
     if restart and t.lead:  # restarted before any checkpoint: start the stream afresh
         t.accounting.truncate(0)
         t.source.restore(PipelineSnapshot())
         log.warning("restarted without a checkpoint: training starts over from version 0")
     return RunState()
+
+
+def fresh_pipeline(snap: PipelineSnapshot) -> tuple[PipelineSnapshot, dict[str, int]]:
+    """The pipeline of a resume onto new data (--resume-with-new-data): the old file's queue dropped (its
+    stream position, finished groups and prompts in flight); the counters go on. Returns what was dropped."""
+    dropped = {"groups": len(snap.ready), "prompts": len(snap.pending), "partial": snap.partial_groups}
+    return PipelineSnapshot(taken=snap.taken, version=snap.version), dropped
 
 
 def _restore(t: Trainer, ckpt_dir: Path, restart: bool) -> RunState:
@@ -94,8 +94,20 @@ def _restore(t: Trainer, ckpt_dir: Path, restart: bool) -> RunState:
         log.warning(
             "restored step %d from %s; %d trained-group records after it dropped", st.step, ckpt_dir, dropped
         )
-    pipe = saved.get("pipeline")
-    got = t.source.restore(PipelineSnapshot.from_dict(pipe) if pipe else PipelineSnapshot())
+    snap = PipelineSnapshot.from_dict(saved["pipeline"])
+    metrics: dict[str, float] = {"ckpt/restored_step": st.step}
+    if resume_check.data_changed(ckpt_dir, t.run_dir):  # allowed by the driver: --resume-with-new-data
+        snap, gone = fresh_pipeline(snap)
+        st.restored_from["dropped"] = gone
+        metrics.update({f"ckpt/dropped_{k}": v for k, v in gone.items()})
+        log.warning(
+            "new training data: the checkpoint's queue is dropped (%d finished groups, %d prompts in flight, "
+            "%d of them partial); the new data starts its first epoch",
+            gone["groups"],
+            gone["prompts"],
+            gone["partial"],
+        )
+    got = t.source.restore(snap)
     st.restored_from["pipeline"] = got
-    t.tracker.metrics({"ckpt/restored_step": st.step, "ckpt/restored_partial": got["partial"]}, st.step)
+    t.tracker.metrics({**metrics, "ckpt/restored_partial": got["partial"]}, st.step)
     return st

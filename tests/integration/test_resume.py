@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 from tests.integration.conftest import REPO, hub_status, train_cmd, wait_for
 from tests.integration.test_async import _prompts
@@ -141,6 +142,66 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
     print(
         f"\nresume: worker killed at v{st['version']}, recovered (training again) in {recovered_s:.1f}s; "
         f"stop froze {frozen:.0f} partial groups; B resumed at v{last_a}, {len(spanning)} groups span both runs"
+    )
+    _refused_then_damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b, uids)
+
+
+def _resume_cli(ray_cluster, cache_dir, tmp_path, name, common, *extra) -> tuple[int, dict, str, float]:
+    """`python -m app train ... --resume <run B>`: (exit code, RESULT, stderr, seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            *train_cmd(ray_cluster, cache_dir, tmp_path, name, *common, *extra),
+            "--resume",
+            str(tmp_path / "resume-b"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    (tmp_path / f"{name}.log").write_text(proc.stderr)
+    (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
+    return proc.returncode, json.loads(line), proc.stderr, time.monotonic() - t0
+
+
+def _refused_then_damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b, uids) -> None:
+    """Another model, or other data, refused before the run opens (no Ray); then B's newest checkpoint
+    loses its pipeline.json: run C continues from B's previous checkpoint, saying so, and in the lineage
+    A, B (up to that checkpoint), C every prompt is still trained exactly once."""
+    other_model = tmp_path / "other-model"  # only its config.json is read: refused before anything loads it
+    other_model.mkdir()
+    (other_model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    rc, res, err, secs = _resume_cli(
+        ray_cluster, cache_dir, tmp_path, "resume-m", common, f"model.path={other_model}"
+    )
+    assert rc == 1 and "'builtin:tiny'" in res["error"] and f"'{other_model}'" in res["error"], res
+    assert "MLflow run" not in err, "refused only after the run opened"
+    _prompts(cache_dir, tmp_path / "other.jsonl", 16)
+    rc, res, err, secs_d = _resume_cli(
+        ray_cluster, cache_dir, tmp_path, "resume-d", common, f"data.train={tmp_path / 'other.jsonl'}"
+    )
+    assert rc == 1 and "other.jsonl" in res["error"] and "--resume-with-new-data" in res["error"], res
+    assert "MLflow run" not in err, "refused only after the run opened"
+
+    damaged = Path(res_b["checkpoint"])
+    (damaged / "pipeline.json").unlink()
+    rc, res_c, err, secs_c = _resume_cli(ray_cluster, cache_dir, tmp_path, "resume-c", common)
+    assert rc == 0 and res_c["ok"], err[-4000:]
+    assert re.search(rf"checkpoint {re.escape(str(damaged))} is damaged \(pipeline.json: missing\)", err), (
+        err[-4000:]
+    )
+    back = res_c["restored_from"]
+    assert Path(back["path"]) != damaged and back["step"] <= res_b["steps"], back
+    a = _trained(tmp_path / "resume-a" / "trained_groups.jsonl")
+    b = [t for t in _trained(tmp_path / "resume-b" / "trained_groups.jsonl") if t["step"] <= back["step"]]
+    # B's newest two may share a step (its last step was a save_every multiple): C then has nothing left
+    c_log = tmp_path / "resume-c" / "trained_groups.jsonl"
+    c = _trained(c_log) if c_log.exists() else []
+    assert Counter(t["uid"] for t in a + b + c) == Counter(uids)  # once in the lineage A -> B -> C
+    print(
+        f"refused another model in {secs:.1f}s, other data in {secs_d:.1f}s (before Ray); C fell back to "
+        f"step {back['step']} of B (newest: {res_b['steps']}) and trained {len(c)} groups in {secs_c:.0f}s"
     )
 
 
