@@ -453,8 +453,14 @@ class Learner:
         return [(n, tuple(p.shape), dtype) for n, p in self.named_params().items()]
 
     def gather(self, names: list[str]) -> list[torch.Tensor]:
-        """Full tensors for `names` (an FSDP2 all-gather per parameter: every rank calls this in lock-step)."""
-        params = self.named_params()
+        """Full tensors for `names` (an FSDP2 all-gather per parameter: every rank calls this in lock-step).
+
+        The name -> parameter map is built once (a push calls this once per bucket; FSDP2 keeps its parameter
+        objects for the model's life and updates them in place): rebuilding it per bucket was most of a 1.5B
+        push's 23 ms gather on an H200."""
+        params = getattr(self, "_push_params", None)
+        if params is None:
+            params = self._push_params = self.named_params()
         dtype = getattr(torch, self.cfg.model.dtype)
         out = []
         for n in names:

@@ -97,3 +97,20 @@ def test_anything_it_cannot_place_falls_back():
     # a part without its siblings
     partial = {k: v for k, v in _shapes(pushed).items() if "v_proj" not in k}
     assert plan_slots(partial, _shapes(engine), PACKED, skip=("lm_head.",)) is None
+
+
+def test_loaded_checksums_read_past_a_padded_vocabulary():
+    """vLLM pads a vocabulary to a multiple of 64 rows: the read-back of a push (`relay_loaded_checksums`)
+    compares the pushed rows and ignores the padding, so the GPU tier can check every load bit for bit."""
+    from app.vllm.worker import _unpadded
+
+    assert _unpadded((64, 128), (22, 128)) == (22, 128)  # padded rows are nobody's
+    assert _unpadded((22, 128), (22, 128)) == (22, 128)
+    assert _unpadded((64, 128), (22, 96)) == (64, 128)  # another width: not the same tensor
+    assert _unpadded((64, 128), None) == (64, 128)  # not pushed
+    assert _unpadded((16, 128), (22, 128)) == (16, 128)  # fewer rows than pushed: no place
+    pushed = {"model.embed_tokens.weight": (22, 128), "lm_head.weight": (22, 128)}
+    held = {"model.embed_tokens.weight": (64, 128), "lm_head.weight": (64, 128)}
+    assert plan_slots(pushed, held, {}) is None  # the fast load cannot place them (it falls back)
+    slots = plan_slots(pushed, {n: _unpadded(s, pushed.get(n)) for n, s in held.items()}, {})
+    assert slots == {n: Slot(n, 0, 22) for n in pushed}

@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 silence_vllm_reload_warnings()
 
 
+def _unpadded(held: tuple[int, ...], pushed: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The rows of an engine parameter that hold pushed data: vLLM pads a vocabulary (embedding, lm_head) to a
+    multiple of 64 rows, and the padding rows are nobody's."""
+    if pushed and len(held) == len(pushed) and held[1:] == tuple(pushed[1:]) and held[0] >= pushed[0]:
+        return tuple(pushed)
+    return held
+
+
 class RelayWorkerExtension:
     """Mixed into vLLM's Worker. `self` is the worker: it has get_model(), model_config, device, rank."""
 
@@ -84,7 +92,7 @@ class RelayWorkerExtension:
             tied = bool(getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False))
             self._relay_slots = plan_slots(
                 shapes,
-                {n: tuple(p.shape) for n, p in params.items()},
+                {n: _unpadded(tuple(p.shape), shapes.get(n)) for n, p in params.items()},
                 getattr(model, "packed_modules_mapping", {}) or {},
                 skip=("lm_head.",) if tied else (),
             )
@@ -108,9 +116,10 @@ class RelayWorkerExtension:
         model = self.get_model()
         params = dict(model.named_parameters())
         tied = bool(getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False))
+        shapes = {n: shape for n, (shape, _) in pushed.items()}
         slots = plan_slots(
-            {n: shape for n, (shape, _) in pushed.items()},
-            {n: tuple(p.shape) for n, p in params.items()},
+            shapes,
+            {n: _unpadded(tuple(p.shape), shapes.get(n)) for n, p in params.items()},
             getattr(model, "packed_modules_mapping", {}) or {},
             skip=("lm_head.",) if tied else (),
         )
