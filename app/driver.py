@@ -210,7 +210,7 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
     wait forever or cannot work."""
     import ray
 
-    from app.resources import auto_transport, check_nodes, check_placement
+    from app.resources import auto_transport, check_nccl_devices, check_nodes, check_placement
     from app.resources import check as check_resources
     from app.resources import resolve as resolve_resources
 
@@ -225,6 +225,7 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
     if cfg.sync.transport == "auto":  # CUDA IPC where trainer and replicas share the one GPU
         cfg = OmegaConf.merge(cfg, {"sync": {"transport": auto_transport(cfg, cluster)}})
         log.info("sync.transport=auto: %s", cfg.sync.transport)
+    check_nccl_devices(cfg, cfg.sync.transport)
     log.info("resources by role: %s", need)
     return cfg
 
