@@ -30,18 +30,13 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from app.openai_chat import ChatCore, ChatSettings, RequestError
+from app.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
 from app.rollout.agent_session import SessionCall
 
 log = logging.getLogger(__name__)
 
-ROUTE_PREFIX = "/relay"
-DEPLOYMENT = "openai"
 
 api = FastAPI(title="Relay OpenAI-compatible chat endpoint")
-
-
-def frontend_app_name(prefix: str) -> str:
-    return f"{prefix}-openai"
 
 
 @serve.ingress(api)

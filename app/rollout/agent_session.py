@@ -144,7 +144,7 @@ class AgentEpisodes:
         from ray import serve
 
         from app import ray_compat
-        from app.openai_api import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
+        from app.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
 
         handle = serve.get_deployment_handle(DEPLOYMENT, app_name=frontend_app_name(self.cfg.ray.name))
         base = f"http://127.0.0.1:{ray_compat.serve_http_port()}{ROUTE_PREFIX}"
