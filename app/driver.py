@@ -89,7 +89,24 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         check_file(spec)  # a missing file or an unknown format fails here, before the cluster starts
         return str(Path(spec).resolve())
 
+    check_context(cfg, model_path)
     return Inputs(str(Path(model_path).resolve()), path(cfg.data.train, "train"), path(cfg.data.val, "val"))
+
+
+def check_context(cfg: DictConfig, model_path: str) -> None:
+    """Refuse, before anything starts, a `rollout.max_model_len` over the model's positions (vLLM refuses it
+    inside the replica's constructor, minutes in, where the reason is easy to lose)."""
+    try:
+        hf = json.loads(Path(model_path, "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not readable here: vLLM says what it thinks
+    positions = hf.get("max_position_embeddings")
+    if isinstance(positions, int) and not hf.get("rope_scaling") and cfg.rollout.max_model_len > positions:
+        raise ValueError(
+            f"rollout.max_model_len={cfg.rollout.max_model_len} is over the model's max_position_embeddings="
+            f"{positions} ({model_path}/config.json): set rollout.max_model_len={positions} or less, or use a "
+            "model with a longer context"
+        )
 
 
 def start_ray(cfg: DictConfig) -> bool:
@@ -309,9 +326,22 @@ class RolloutStartWatch:
             log.info("rollout application %s running", self.app)
         elif st.status == "DEPLOY_FAILED":
             raise RuntimeError(
-                f"the rollout deployment {self.app!r} failed to start: {st.message} (see the Serve view of "
-                "the dashboard, and the replica's log)"
+                f"the rollout deployment {self.app!r} failed to start: {failure_reason(st)} (see the Serve "
+                "view of the dashboard, and the replica's log)"
             )
+
+
+def failure_reason(app_status: Any) -> str:
+    """Why a Serve application failed to deploy, with the replica's own reason where Serve has it: the app's
+    message says only "Failed to update the deployments"; each deployment's message carries the constructor's
+    traceback, whose last exception line (vLLM's refusal of a `max_model_len`, an out-of-memory) is the news."""
+    reasons = []
+    for name, dep in (getattr(app_status, "deployments", None) or {}).items():
+        lines = [ln.strip() for ln in str(getattr(dep, "message", "") or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception", "Exit"))]
+        if errors or lines:
+            reasons.append(f"{name}: {(errors or lines)[-1][:600]}")
+    return "; ".join([str(app_status.message), *reasons]) if reasons else str(app_status.message)
 
 
 def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | None) -> Any:
