@@ -15,6 +15,7 @@ from app.data import DataError
 from app.records import GenerateRequest, GenerateResponse, Group, PipelineSnapshot, Prompt, Sample
 from app.rewards import RewardResult
 from app.rollout import Frozen, GenSettings, GroupGenerator, PromptStream
+from app.rollout.producer import reward_errors
 
 
 def _rows(n: int, long: set[int] = frozenset()):
@@ -126,6 +127,19 @@ def test_generator_resubmit_merges_partial_and_scores():
     conts = [r for r in fake.calls if len(r.prompt_ids) == 3]  # prompt + the aborted token
     assert len(conts) == 2 and all(r.max_tokens == 3 and r.seed is None for r in conts)
     assert all(s.versions[0] < s.versions[1] for s in g.samples)  # tokens keep their own versions
+
+
+def test_reward_output_past_the_cap_is_counted():
+    async def chatty(data_source: str, text: str, answer: str) -> RewardResult:
+        return RewardResult(score=1.0, output_dropped=10_000)
+
+    gen = GroupGenerator(
+        FakeReplica(), lambda ids: " ".join(map(str, ids)), chatty, GenSettings(n=2, max_tokens=4)
+    )
+    g = asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="a"), seed=3))
+    assert all(s.reward == 1.0 for s in g.samples)
+    assert gen.stats["reward/output_dropped_bytes"] == 20_000
+    assert reward_errors(gen.stats) == {"reward/output_dropped_bytes": 20_000}  # logged with the batch
 
 
 def test_generator_freeze_and_continue_partial():

@@ -181,6 +181,8 @@ class GroupGenerator:
             return
         if res.error and not res.error.startswith("env_"):  # an environment's are counted as env/errors_*
             self.stats[f"reward/errors_{res.error}"] += 1
+        if getattr(res, "output_dropped", 0):  # what the reward printed past the scoring process's cap
+            self.stats["reward/output_dropped_bytes"] += res.output_dropped
         s.reward, s.reward_error, s.reward_extras = res.score, res.error, dict(res.extras or {})
         if shape and self.s.overlong_buffer > 0:
             pen = overlong_penalty(

@@ -285,4 +285,10 @@ class AsyncProducer:
 
 
 def reward_errors(stats: Counter[str]) -> dict[str, int]:
-    return {k: v for k, v in stats.items() if k.startswith(("reward/errors_", "env/errors_"))}
+    """The reward and environment failure counters (and the bytes of reward output dropped past the cap),
+    logged with every batch."""
+    return {
+        k: v
+        for k, v in stats.items()
+        if k.startswith(("reward/errors_", "env/errors_", "reward/output_dropped"))
+    }
