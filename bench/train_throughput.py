@@ -60,7 +60,7 @@ for p in (str(ROOT), str(Path(__file__).resolve().parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from sync_bandwidth import QWEN2_SHAPES  # noqa: E402
+from qwen_shapes import QWEN2_SHAPES, qwen2_config  # noqa: E402
 
 from app.resources import cuda_alloc_env  # noqa: E402
 
@@ -132,33 +132,12 @@ def variant_overrides(variant: str, seq_len: int, micro_tokens: int) -> tuple[li
     return keys, ac, budget
 
 
-def qwen2_config(size: str, max_len: int):
-    from transformers import Qwen2Config
-
-    h, inter, layers, heads, kv, vocab, tied = QWEN2_SHAPES[size]
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=max(4096, max_len),
-        tie_word_embeddings=tied,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        bos_token_id=None,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-
-
 def build_model(size: str, path: Path, max_len: int, dev: torch.device, dtype: torch.dtype) -> None:
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
     with dev:
-        model = Qwen2ForCausalLM(qwen2_config(size, max_len))
+        model = Qwen2ForCausalLM(qwen2_config(size, max(4096, max_len)))
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     del model
     if dev.type == "cuda":
