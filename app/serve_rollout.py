@@ -65,6 +65,7 @@ class RolloutServer:
         self.started = time.time()
         self.replica_id = ray_compat.replica_id()
         self.engine = vla.create_engine(model_path, **engine, partial=partial)
+        self.worker_pids: list[int] = []  # the engine's worker processes, once asked (`info`)
         self.served_any = False
         self.hub = ray.get_actor(hub, namespace=NAMESPACE)
         self.generated_tokens = 0
@@ -165,11 +166,16 @@ class RolloutServer:
         }
 
     async def _engine_pids(self) -> list[int]:
-        """Its vLLM workers' processes ([] when the engine does not answer within 5 s: dead or stuck)."""
-        try:
-            return await asyncio.wait_for(vla.rpc(self.engine, "relay_pid", timeout=5), timeout=6)
-        except Exception:
-            return []
+        """Its vLLM workers' processes, asked once (they live as long as the engine); [] while the engine does
+        not answer within 5 s (dead or stuck)."""
+        if not self.worker_pids:
+            try:
+                self.worker_pids = await asyncio.wait_for(
+                    vla.rpc(self.engine, "relay_pid", timeout=5), timeout=6
+                )
+            except Exception:
+                return []
+        return self.worker_pids
 
     async def check_health(self) -> None:
         """Fails when the engine is dead or the weight sync stopped: Serve then replaces this replica."""

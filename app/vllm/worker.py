@@ -89,13 +89,7 @@ class RelayWorkerExtension:
         params = dict(model.named_parameters())  # each push: a layerwise reload may replace parameters
         if getattr(self, "_relay_slots_key", None) != key:
             shapes = {t.name: tuple(t.shape) for b in plan.buckets for t in b.tensors}
-            tied = bool(getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False))
-            self._relay_slots = plan_slots(
-                shapes,
-                {n: _unpadded(tuple(p.shape), shapes.get(n)) for n, p in params.items()},
-                getattr(model, "packed_modules_mapping", {}) or {},
-                skip=("lm_head.",) if tied else (),
-            )
+            self._relay_slots = self._relay_plan_slots(model, params, shapes)
             self._relay_slots_key = key
             if self._relay_slots is None:
                 log.info("pushed tensors do not map onto whole parameters: loading through load_weights")
@@ -103,6 +97,17 @@ class RelayWorkerExtension:
         if slots is None:
             return None
         return lambda items: copy_into(params, slots, items)
+
+    def _relay_plan_slots(self, model: Any, params: dict[str, Any], shapes: dict[str, tuple]) -> Any:
+        """`plan_slots` for this engine: pushed `shapes` onto its parameters (a padded vocabulary's pushed rows,
+        packed parameters, a tied lm_head skipped)."""
+        tied = bool(getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False))
+        return plan_slots(
+            shapes,
+            {n: _unpadded(tuple(p.shape), shapes.get(n)) for n, p in params.items()},
+            getattr(model, "packed_modules_mapping", {}) or {},
+            skip=("lm_head.",) if tied else (),
+        )
 
     def relay_loaded_checksums(self) -> dict[str, Any]:
         """What the engine holds for each tensor of the last push, read back from its place in the model (a
@@ -115,14 +120,7 @@ class RelayWorkerExtension:
             return {"checksums": {}, "why": "nothing pushed yet"}
         model = self.get_model()
         params = dict(model.named_parameters())
-        tied = bool(getattr(getattr(self.model_config, "hf_config", None), "tie_word_embeddings", False))
-        shapes = {n: shape for n, (shape, _) in pushed.items()}
-        slots = plan_slots(
-            shapes,
-            {n: _unpadded(tuple(p.shape), shapes.get(n)) for n, p in params.items()},
-            getattr(model, "packed_modules_mapping", {}) or {},
-            skip=("lm_head.",) if tied else (),
-        )
+        slots = self._relay_plan_slots(model, params, {n: shape for n, (shape, _) in pushed.items()})
         if slots is None:
             return {
                 "checksums": {},
