@@ -33,7 +33,7 @@ def test_step_metrics_by_hand():
     )
     t = StepTimings(wait_s=1.0, overlap_wait_s=0.5, train_s=3.0, step_s=6.0)
     push = PushStats(version=6, nbytes=1000, total_s=0.25, ack_s=0.05, gather_s=0.1, transfer_s=0.1)
-    push.extra = {"r0": {"pause_s": 0.2, "join_s": 1.5}, "r1": {"pause_s": 0.3}}
+    push.extra = {"r0": {"held_s": 0.2, "join_s": 1.5}, "r1": {"held_s": 0.3}}  # generation held (acks)
     m = step_metrics(STATS, batch, t, push, version=6, pushed=6, step=3)
     assert m["loss/policy"] == 0.5 and m["async/queue_depth"] == 3.0  # stats and stream metrics pass through
     assert m["reward/mean"] == 0.5 and m["reward/std"] == 0.5

@@ -80,7 +80,7 @@ def push_metrics(push: PushStats, step: int) -> dict[str, float]:
         "sync/gather_s": push.gather_s,
         "sync/transfer_s": push.transfer_s,
         "sync/ack_s": push.ack_s,
-        "sync/pause_s": max((x.get("held_s", x.get("pause_s", 0.0)) for x in extra), default=0.0),
+        "sync/pause_s": max((x.get("held_s", 0.0) for x in extra), default=0.0),
         "sync/bytes": float(push.nbytes),
         "sync/retries": float(len(push.failures)),
         "rollout/replicas": float(len(extra)),

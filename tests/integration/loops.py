@@ -65,10 +65,6 @@ def logprob_loop(config: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the 2-GPU tier (tests/gpu/test_disagg_gpu.py)
 
 
-def _push_record(stats: Any) -> dict[str, Any]:
-    return stats.record()
-
-
 def _exact(learner: Any, handle: Any) -> dict[str, Any]:
     """The trainer's checksum of every pushed tensor against what the replica's engine holds in its place."""
     from app.sync import checksum
@@ -115,7 +111,7 @@ def _push_mid_generation(sync: Any, handle: Any, version: int, cfg: Any) -> dict
     stats = sync.push(version)
     outs = [c.result(timeout_s=120) for c in calls]
     versions = [s.versions for o in outs for s in o.samples]
-    return {"push": _push_record(stats), "versions": versions}
+    return {"push": stats.record(), "versions": versions}
 
 
 def _push_through_engine_kill(sync: Any, hub: Any, handle: Any, version: int) -> dict[str, Any]:
@@ -154,7 +150,7 @@ def _push_through_engine_kill(sync: Any, hub: Any, handle: Any, version: int) ->
     return {
         "victim": victim,
         "elapsed_s": time.monotonic() - t0,
-        "push": _push_record(box["stats"]) if "stats" in box else None,
+        "push": box["stats"].record() if "stats" in box else None,
         "error": box.get("error"),
         "dropped": after["members"][victim].get("dropped"),
         "alive_after": th.is_alive(),
@@ -182,7 +178,7 @@ def disagg_loop(config: dict[str, Any]) -> None:
     sync = TrainerSync(cfg, learner, hub, dev)
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
     out: dict[str, Any] = {"transport": sync.transport_name, "backend": sync.backend, "pushes": []}
-    out["pushes"].append(_push_record(sync.push(0)))
+    out["pushes"].append(sync.push(0).record())
     out["exact_v0"] = _exact(learner, handle)
     rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
     batch = ray.get(rollouter.generate_batch.remote(4), timeout=120)
@@ -191,17 +187,17 @@ def disagg_loop(config: dict[str, Any]) -> None:
     out["trainer_before"] = learner.logprobs_of(prompt, completion)
     out["vllm_before"] = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
     learner.step(batch)
-    out["pushes"].append(_push_record(sync.push(1)))
+    out["pushes"].append(sync.push(1).record())
     out["exact_v1"] = _exact(learner, handle)
     out["trainer_after"] = learner.logprobs_of(prompt, completion)
     out["vllm_after"] = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
     for v in range(2, 2 + int(config.get("timed_pushes", 8))):  # back to back: the push alone
-        out["pushes"].append(_push_record(sync.push(v)))
+        out["pushes"].append(sync.push(v).record())
     v = 2 + int(config.get("timed_pushes", 8))
     out["keep"] = _push_mid_generation(sync, handle, v, cfg)
     out["kill"] = _push_through_engine_kill(sync, hub, handle, v + 1)
     if out["kill"]["push"] is not None:
-        out["after_kill"] = _push_record(sync.push(v + 2))
+        out["after_kill"] = sync.push(v + 2).record()
         out["exact_after_kill"] = _exact(learner, handle)
     with open(config["out"], "w") as f:
         json.dump(out, f)
