@@ -41,6 +41,21 @@ def write_prompts(cache_dir: str, path: Path, n: int) -> int:
     return len(rows)
 
 
+def push_medians(tracking_uri: str, run_id: str) -> dict[str, float]:
+    """Median per push, in ms, of the whole push as the trainer sees it (`sync/time_s`) and of the
+    generation pause a client sees (`sync/pause_s`: the replica held its generations, pause to resume)."""
+    import statistics
+
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri)
+    out = {}
+    for key, name in (("sync/time_s", "push_ms"), ("sync/pause_s", "pause_ms")):
+        vals = [m.value for m in c.get_metric_history(run_id, key)]
+        out[name] = round(1000 * statistics.median(vals), 2) if vals else float("nan")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=160)
@@ -131,6 +146,7 @@ def main() -> None:
                 "trained_tokens": res["trained_tokens"],
                 "loop_s": round(res["loop_s"], 2),
                 "tokens_per_s": round(tps, 1),
+                **push_medians(res["tracking_uri"], res["run_id"]),
             }
             log.info("%s: %s", mode, results[mode])
     finally:

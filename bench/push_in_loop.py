@@ -2,14 +2,15 @@
 (a Ray Train FSDP2 worker on one GPU) through the run's `WeightHub` into a Serve vLLM replica on the other
 GPU, over NCCL: the whole of `sync/time_s` as the trainer sees it, and each phase.
 
-    python bench/push_in_loop.py --shapes embedded,0.5B,1.5B,3B,7B --pushes 8
+    python bench/push_in_loop.py --shapes embedded,0.5B,1.5B,3B,7B --pushes 8 [--loaded 5]
 
 Each shape: a model folder with random bf16 weights and a synthetic full-vocabulary tokenizer
 (bench/qwen_shapes.py; `embedded` is the built-in tiny model), the run's roles started as `app.driver` starts
-them (`resources.rollout_gpus=1 resources.train_gpus=1`), then a train worker pushes `--pushes` + 1 times
+them (`configs/gpu2.yaml`), then a train worker pushes `--pushes` + 1 times
 (the first, which forms the weight group, is reported apart). The replica's acknowledged checksums equal the
 trainer's on every push (`sync.verify`). Prints a JSON line per shape and a final summary line with the
-median push and its phases; compare with `bench/sync_bandwidth.py`'s raw broadcast of the same bytes.
+median push and its phases; `--loaded K` adds K pushes with generations in flight and reports the
+generation pause a client sees (the replica's pause-to-resume, `held_s`). Compare with `bench/sync_bandwidth.py`'s raw broadcast of the same bytes.
 """
 
 from __future__ import annotations
@@ -45,12 +46,44 @@ def push_loop(config: dict[str, Any]) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     learner = Learner(cfg, config["model_path"], dev)
     sync = TrainerSync(cfg, learner, ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE), dev)
-    records = [sync.push(v).record() for v in range(int(config["pushes"]) + 1)]
+    pushes = int(config["pushes"])
+    records = [sync.push(v).record() for v in range(pushes + 1)]
+    loaded = [push_under_load(sync, cfg, v) for v in range(pushes + 1, pushes + 1 + int(config["loaded"]))]
     if learner.rank == 0:
-        Path(config["out"]).write_text(json.dumps({"transport": sync.transport_name, "pushes": records}))
+        rep = {"transport": sync.transport_name, "pushes": records, "loaded": loaded}
+        Path(config["out"]).write_text(json.dumps(rep))
 
 
-def run_shape(shape: str, pushes: int, bucket_mb: float, models: str, out_dir: Path) -> dict[str, Any]:
+def push_under_load(sync: Any, cfg: Any, version: int) -> dict[str, Any]:
+    """A push while generations are in flight (the preset's partial mode, `keep` with the KV cache kept in
+    configs/gpu2.yaml): the replica's `held_s` (pause to resume) is the generation pause a client sees. The
+    samples' per-token versions show the push landed mid-generation."""
+    import time
+
+    from ray import serve
+
+    from app.records import GenerateRequest
+    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
+    req = GenerateRequest(prompt_ids=[5, 6, 7, 8], max_tokens=256, n=4, ignore_eos=True)
+    calls = [handle.generate.remote(req) for _ in range(8)]
+    deadline = time.monotonic() + 60
+    while handle.info.remote().result(timeout_s=30)["ongoing"] == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no generation was in flight within 60s")
+        time.sleep(0.005)
+    time.sleep(0.2)  # tokens flowing, not just admitted
+    rec = sync.push(version).record()
+    versions = [s.versions for c in calls for s in c.result(timeout_s=300).samples]
+    rec["spanning"] = sum(1 for vs in versions if len(set(vs)) > 1)
+    rec["samples"] = len(versions)
+    return rec
+
+
+def run_shape(
+    shape: str, pushes: int, loaded: int, bucket_mb: float, models: str, out_dir: Path
+) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -62,13 +95,10 @@ def run_shape(shape: str, pushes: int, bucket_mb: float, models: str, out_dir: P
     path = "builtin:tiny" if shape == "embedded" else build_model_dir(shape, models)
     name = f"push-{shape.replace('.', '')}".lower()
     cfg = load_config(
-        None,
+        "gpu2",
         [
             f"model.path={path}",
             f"model.cache_dir={models}",
-            "model.dtype=bfloat16",
-            "resources.rollout_gpus=1",
-            "resources.train_gpus=1",
             f"ray.name={name}",
             f"sync.bucket_mb={bucket_mb}",
             "rollout.max_model_len=512",
@@ -84,6 +114,7 @@ def run_shape(shape: str, pushes: int, bucket_mb: float, models: str, out_dir: P
                 "cfg": to_container(cfg),
                 "model_path": inputs.model_path,
                 "pushes": pushes,
+                "loaded": loaded,
                 "out": str(out),
             },
             scaling_config=ScalingConfig(
@@ -106,7 +137,21 @@ def run_shape(shape: str, pushes: int, bucket_mb: float, models: str, out_dir: P
         "push_ms": [round(1000 * p["wall_s"], 2) for p in timed],
         "median_push_ms": round(1000 * med([p["wall_s"] for p in timed]), 2),
         "median_phases_ms": phases,
-        "retries": sum(len(p["failures"]) for p in rep["pushes"]),
+        "retries": sum(len(p["failures"]) for p in rep["pushes"] + rep["loaded"]),
+        **loaded_summary(rep["loaded"]),
+    }
+
+
+def loaded_summary(loaded: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pushes made with generations in flight: each one's pause (the replica's held_s), in ms."""
+    if not loaded:
+        return {}
+    held = [1000 * p["phases"].get("replica_held_s", 0.0) for p in loaded]
+    return {
+        "loaded_push_ms": [round(1000 * p["wall_s"], 2) for p in loaded],
+        "loaded_pause_ms": [round(h, 2) for h in held],
+        "median_loaded_pause_ms": round(statistics.median(held), 2),
+        "loaded_spanning_samples": [f"{p['spanning']}/{p['samples']}" for p in loaded],
     }
 
 
@@ -114,6 +159,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="embedded,0.5B,1.5B,3B,7B")
     ap.add_argument("--pushes", type=int, default=8, help="timed pushes per shape (after the first)")
+    ap.add_argument(
+        "--loaded", type=int, default=0, help="then this many pushes with generations in flight (keep mode)"
+    )
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="sync.bucket_mb (NCCL)")
     ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "relay-models"))
     args = ap.parse_args()
@@ -126,7 +174,7 @@ def main() -> None:
     results = []
     try:
         for shape in args.shapes.split(","):
-            res = run_shape(shape, args.pushes, args.bucket_mb, args.models, out_dir)
+            res = run_shape(shape, args.pushes, args.loaded, args.bucket_mb, args.models, out_dir)
             sys.stdout.write(json.dumps(res) + "\n")
             sys.stdout.flush()
             results.append(res)

@@ -102,7 +102,8 @@ class PushStats:
     # pause call, the workers' receive (the RPC's round trip; worker: inside the worker, transfer and load inside
     # that), version, resume
     REPLICA_PHASES: ClassVar[tuple[str, ...]] = (
-        "wake_s", "drain_s", "pause_s", "receive_s", "worker_s", "transfer_s", "load_s", "version_s", "resume_s"
+        "wake_s", "drain_s", "pause_s", "receive_s", "worker_s", "transfer_s", "load_s", "version_s", "resume_s",
+        "held_s",
     )  # fmt: skip
 
     @property
