@@ -175,9 +175,22 @@ def prompt_row(rec: dict[str, Any]) -> PromptRow:
     )
 
 
+class Prepare:
+    """Ray Data stage (one actor per file): `Normalize`, then `Tokenize`, in one process. Two stages of one
+    actor each cost a dataset two more worker processes to start (each importing the reader and transformers),
+    about half a minute of a 2-core machine per run."""
+
+    def __init__(self, path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str) -> None:
+        self.normalize = Normalize(path)
+        self.tokenize = Tokenize(tokenizer_path, max_prompt_tokens, truncation, path)
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        return self.tokenize(self.normalize(batch))
+
+
 def read_prompts(path: str, limit: int = 0):
-    """The checked rows of one prompt file (`limit` > 0: its first `limit` rows) as a Ray Data dataset of
-    `plain_row` columns. Errors (raised when the dataset executes) name the file and the row / line."""
+    """The raw records of one prompt file (`limit` > 0: its first `limit` rows) as a Ray Data dataset, read on
+    this node (`PromptFile`); `prompt_dataset` checks and tokenizes them."""
     import ray
 
     configure_data_context()
@@ -185,16 +198,7 @@ def read_prompts(path: str, limit: int = 0):
     if is_parquet(p):
         check_columns(p, _parquet_columns(p))
     ds = ray.data.read_datasource(_prompt_file(str(p)), num_cpus=0.25)
-    if limit > 0:
-        ds = ds.limit(limit)
-    return ds.map_batches(
-        Normalize,
-        fn_constructor_args=(str(p),),
-        batch_format="pyarrow",
-        batch_size=1024,
-        compute=ray.data.ActorPoolStrategy(size=1),
-        num_cpus=0.25,
-    )
+    return ds.limit(limit) if limit > 0 else ds
 
 
 def configure_data_context() -> None:
@@ -260,12 +264,15 @@ def _prompt_file(path: str) -> Any:
 
 
 def prompt_dataset(path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str, limit: int = 0):
-    """The tokenized prompts of one file (`limit` > 0: its first `limit` rows) as a Ray Data dataset."""
+    """The checked, tokenized prompts of one file (`limit` > 0: its first `limit` rows) as a Ray Data dataset
+    of `plain_row` columns plus `prompt_ids`. Errors (raised when the dataset executes) name the file and the
+    row / line."""
     import ray
 
     return read_prompts(path, limit).map_batches(
-        Tokenize,
-        fn_constructor_args=(tokenizer_path, max_prompt_tokens, truncation, str(Path(path))),
+        Prepare,
+        fn_constructor_args=(str(check_path(path)), tokenizer_path, max_prompt_tokens, truncation),
+        batch_format="pyarrow",
         batch_size=256,
         compute=ray.data.ActorPoolStrategy(size=1),
         num_cpus=0.25,

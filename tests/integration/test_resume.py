@@ -36,8 +36,10 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
 
     from app.serve_rollout import hub_name
 
-    # steps take about 1 s on an idle machine: enough data that the kill and the stop land before it ends
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 320)
+    # 24 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
+    # before the stop: about 10 steps at most, since the staleness bound holds generation while the group
+    # restarts. B then trains the rest: every prompt B trains is one more step of the suite's time
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 192)
     common = [
         "algorithm.mode=fully_async",
         "algorithm.max_staleness=2",
@@ -48,7 +50,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         "rollout.max_model_len=128",
         "rollout.max_inflight=8",
         "rollout.max_num_seqs=4",  # generation is the bottleneck: groups are always in flight
-        "train.steps=1000",  # the data (320 prompts, one epoch) ends the run
+        "train.steps=1000",  # the data (192 prompts, one epoch) ends the run
         "train.save_every=2",
         "train.max_failures=1",
         f"data.train={tmp_path / 'train.jsonl'}",
