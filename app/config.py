@@ -495,7 +495,7 @@ class SyncConfig(_Section):
     backend: Backend = "auto"
     """Process-group backend of the weight group: gloo on CPU, nccl on GPU."""
     transport: str = "auto"
-    """Weight transport (app/sync/transport.py registry): `auto` (`ipc` when trainer and replicas share one
+    """Weight transport (app/weights/transport.py registry): `auto` (`ipc` when trainer and replicas share one
     GPU, else `broadcast`), `broadcast` (one broadcast per bucket), `ipc` (CUDA IPC handles, trainer and
     replicas on the same GPU), or a
     `pkg.module:Name` whose module registers or defines it (imported by the trainer and every vLLM worker)."""

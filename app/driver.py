@@ -254,14 +254,14 @@ def _start_roles(
     config with the resources resolved, and the hub's, the control's and the rollouter's handles.
 
     CPU replicas start while the rollouter reads the data and the trainer starts: the trainer's first push
-    waits for the first replica (app/sync/trainer.py), and `watch` ends the run at once where the
+    waits for the first replica (app/sync.py), and `watch` ends the run at once where the
     deployment fails to start. GPU replicas start before the trainer (vLLM measures the free memory)."""
     import ray
 
     from app import ray_compat
     from app.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, build_app
-    from app.sync.actors import start_sync_actors
+    from app.serve_rollout import app_name, build_app
+    from app.weights.actors import NAMESPACE, start_sync_actors
 
     cfg = _plan_resources(cfg)
     hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
@@ -374,7 +374,7 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
         ),
         torch_config=TorchConfig(
             backend=None if t.backend == "auto" else t.backend,
-            # a push retries within train.timeout_s - 2 x sync.timeout_s (app/sync/trainer.py): it fits
+            # a push retries within train.timeout_s - 2 x sync.timeout_s (app/sync.py): it fits
             timeout_s=int(t.timeout_s + cfg.sync.timeout_s + 60),
         ),
         run_config=RunConfig(
@@ -512,7 +512,10 @@ def teardown(cfg: DictConfig, started: bool) -> None:
 
     from app import ray_compat
     from app.rollouter import rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, control_name, hub_name
+    from app.serve_rollout import app_name
+    from app.weights.actors import NAMESPACE
+    from app.weights.control import control_name
+    from app.weights.hub import hub_name
 
     if started:
         try:

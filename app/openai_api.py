@@ -120,7 +120,7 @@ def start_http(port: int) -> int:
     """Start Serve with its HTTP proxy on 127.0.0.1:`port` (0: a free port) unless it runs already;
     returns the port the proxy listens on (that of a Serve already running, which cannot change)."""
     from app import ray_compat
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     serve.start(http_options={"host": "127.0.0.1", "port": port or free_port()})
     actual = ray_compat.serve_http_port()

@@ -257,15 +257,8 @@ class Rollouter:
 
 
 async def _abort_inflight(prefix: str, timeout_s: float) -> Any:
-    """Ask every replica to end its in-flight generations (the run-control actor, else the weight hub)."""
-    import ray
+    """Ask every replica to end its in-flight generations (through the run-control actor)."""
+    from app.weights.actors import get_actor
+    from app.weights.control import control_name
 
-    from app.serve_rollout import NAMESPACE, hub_name
-
-    try:
-        from app.sync.control import control_name
-
-        actor = ray.get_actor(control_name(prefix), namespace=NAMESPACE)
-    except (ImportError, ValueError):
-        actor = ray.get_actor(hub_name(prefix), namespace=NAMESPACE)
-    return await actor.abort_inflight.remote(timeout_s)
+    return await get_actor(control_name(prefix)).abort_inflight.remote(timeout_s)

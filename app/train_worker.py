@@ -20,7 +20,6 @@ from app.sync import TrainerSync
 from app.train_loop import Learner
 from app.trainer.accounting import TrainedLog
 from app.trainer.comm import Actors
-from app.trainer.comm import bcast as _bcast  # noqa: F401  (tests/integration/loops.py imports it from here)
 from app.trainer.loop import run
 from app.trainer.monitor import Monitor
 from app.trainer.parts import Trainer
@@ -51,7 +50,7 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
     torch.set_num_threads(max(1, int(cfg.train.worker_cpus)))
     learner = Learner(cfg, config["model_path"], device)
-    actors = Actors.lookup(cfg.ray.name, cfg.train.timeout_s)
+    actors = lookup_actors(cfg.ray.name, cfg.train.timeout_s)
     lead = learner.rank == 0
     tracker = Tracker(config["tracking_uri"], config["run_id"]) if lead else None
     prom = trainer_metrics()
@@ -70,4 +69,19 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
         prom=prom,
         tracker=tracker,
         validator=Validator(actors, tracker, prom) if lead else None,
+    )
+
+
+def lookup_actors(prefix: str, timeout_s: float) -> Actors:
+    """The actors of run `prefix` (created by app/driver.py), looked up by name."""
+    from app.rollouter import rollouter_name
+    from app.weights.actors import get_actor
+    from app.weights.control import control_name
+    from app.weights.hub import hub_name
+
+    return Actors(
+        hub=get_actor(hub_name(prefix)),
+        control=get_actor(control_name(prefix)),
+        rollouter=get_actor(rollouter_name(prefix)),
+        timeout_s=timeout_s,
     )

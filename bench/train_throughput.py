@@ -488,7 +488,7 @@ def main() -> None:
     ns, args = parse_args()
     import torch.multiprocessing as mp
 
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     os.environ.update(args["alloc_env"])  # the spawned ranks' allocator, as the trainer workers get it
     ctx = mp.get_context("spawn")

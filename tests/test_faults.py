@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from app.sync import Ack, WeightHub
-from app.sync.replica import ReplicaSync
+from app.sync import ReplicaSync
 from app.vllm import engine as vla
+from app.weights.hub import WeightHub
+from app.weights.records import Ack
 
 
 class _Remote:
@@ -92,7 +93,7 @@ def test_dead_engine_fails_health_and_leaves_the_group_at_once():
 def test_push_budget_fits_the_trainer_collective_timeout():
     """A push retries for a time, not a count; one more attempt after the budget still ends before the
     other trainer ranks' collective timeout (train.timeout_s + sync.timeout_s + 60)."""
-    from app.sync.trainer import TrainerSync
+    from app.sync import TrainerSync
 
     for train_t, sync_t in [(300.0, 60.0), (300.0, 20.0), (60.0, 60.0)]:
         ts = TrainerSync.__new__(TrainerSync)

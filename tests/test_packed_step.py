@@ -289,7 +289,7 @@ def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path, fast):
     forward method and gives the reference step's loss and gradients; so does the fast path (layers gathered
     once per step, gradients accumulated unsharded over the micro-batches, fused AdamW, compiled layers),
     through the optimizer update, a forward-only call and a second step."""
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     path = _model_dir(tmp_path)
     common = ["train.lr=0.01", "algorithm.loss_agg=seq_mean", "algorithm.kl_coef=0.1"]

@@ -27,9 +27,12 @@ from app.resources import (
     role_env,
     trainer_env,
 )
-from app.sync import TRANSPORTS, GroupInfo, free_port, plan_buckets, transport_class
-from app.sync import ipc as ipc_mod
 from app.vllm import engine as vla
+from app.weights import ipc as ipc_mod
+from app.weights.buckets import plan_buckets
+from app.weights.group import free_port
+from app.weights.records import GroupInfo
+from app.weights.transport import TRANSPORTS, transport_class
 
 
 def gpu1(*extra: str):

@@ -137,7 +137,7 @@ def _two_ranks(target, *args) -> list:
     result tuple starting with its rank. Returns them sorted by rank; fails on a crash or after 180 s."""
     import time
 
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from app.records import Batch
-from app.sync import PushStats
 from app.trainer.comm import bcast
 from app.trainer.parts import Trainer
 from app.trainer.saving import save_checkpoint
 from app.trainer.state import RunState
 from app.trainer.step_metrics import PROMETHEUS, StepTimings, step_metrics
+from app.weights.records import PushStats
 
 log = logging.getLogger("app.train")
 

@@ -27,7 +27,7 @@ from tests.integration.test_loop import check_tracked_run
 
 def _start_head(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """`ray start --head` with Ray's default authentication (RAY_AUTH_MODE unset); its dashboard address."""
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     port, dash, agent, client = free_port(), free_port(), free_port(), free_port()
     head = subprocess.Popen(

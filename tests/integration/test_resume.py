@@ -34,7 +34,7 @@ def _metric(res: dict, key: str) -> list[float]:
 def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, cache_dir, tmp_path):
     from ray.util.state import list_actors
 
-    from app.serve_rollout import hub_name
+    from app.weights.hub import hub_name
 
     # steps take about 1 s on an idle machine: enough data that the kill and the stop land before it ends
     uids = _prompts(cache_dir, tmp_path / "train.jsonl", 320)

@@ -85,7 +85,7 @@ def _running(pid: int) -> bool:
 
 def _start_cluster(env: dict[str, str]) -> tuple[list[subprocess.Popen], str]:
     """The head (rollout_node) and a second node (train_node, at TRAIN_NODE_IP); the head's address."""
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     port = free_port()
     nodes = [

@@ -23,11 +23,11 @@ from collections.abc import Iterator
 
 import torch
 
-from app.sync.broadcast import BroadcastTransport
-from app.sync.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack
-from app.sync.group import StatelessGroup
-from app.sync.records import GroupInfo, PushPlan, PushStats, SyncError
-from app.sync.transport import Gather, Load, register_transport
+from app.weights.broadcast import BroadcastTransport
+from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack
+from app.weights.group import StatelessGroup
+from app.weights.records import GroupInfo, PushPlan, PushStats, SyncError
+from app.weights.transport import Gather, Load, register_transport
 
 _META_BYTES = 4096  # one pickled IPC description (about 300 bytes) per bucket
 _UUID_BYTES = 16

@@ -1,7 +1,7 @@
 """The stateless process group of one weight-group epoch: its own TCPStore, next to any default group.
 
 gloo on CPU, NCCL on GPU. Every operation has a deadline; NCCL broadcasts past theirs abort the communicator
-(not the process). See app/sync's protocol for why NCCL completion proves nothing about delivery.
+(not the process). See app/sync.py's protocol for why NCCL completion proves nothing about delivery.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.sync.records import SyncError
+from app.weights.records import SyncError
 
 log = logging.getLogger("app.sync")
 

@@ -1,14 +1,12 @@
 """Control plane of the weight group: membership, epochs, push announcements and acknowledgements.
 
 `WeightHub` handles weights only; run control (clean stop, the trainer's heartbeat, aborting in-flight
-generations) is `RunControl`'s (app/sync/control.py). The hub keeps thin forwarding methods for those until
-every caller talks to the control actor directly.
+generations) is `RunControl`'s (app/weights/control.py): callers talk to the control actor directly.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -16,8 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from app import ray_compat
-from app.sync.control import RunControl, call
-from app.sync.records import (
+from app.weights.control import RunControl
+from app.weights.records import (
     Ack,
     Acks,
     GroupInfo,
@@ -30,12 +28,13 @@ from app.sync.records import (
     SyncError,
     Unknown,
 )
+from app.weights.shared import Changes, call
 
 log = logging.getLogger("app.sync")
 
 
 def hub_name(prefix: str) -> str:
-    """The hub's Ray actor name for run `prefix` (namespace `app.sync.actors.NAMESPACE`)."""
+    """The hub's Ray actor name for run `prefix` (namespace `app.weights.actors.NAMESPACE`)."""
     return f"{prefix}-weight-hub"
 
 
@@ -68,7 +67,7 @@ class WeightHub:
     Run as an async Ray actor (the caller wraps it with `ray.remote`). Replicas long-poll `next_instruction`;
     the trainer calls `open_epoch`, `announce` and `wait_acks`. Every wait takes a deadline.
     `control` is the run's `RunControl` (an actor handle, or an object in this process; one is made here when
-    none is given) for the forwarding methods.
+    none is given): `status` reports its stop reason and the trainer's heartbeat.
     """
 
     def __init__(self, control: Any = None) -> None:
@@ -78,19 +77,10 @@ class WeightHub:
         self.plan: PushPlan | None = None
         self.version = -1  # last version acknowledged by every member
         self.acks: dict[tuple[str, int], dict[str, Ack]] = {}
-        self.changed = asyncio.Condition()
+        self.changed = Changes()
         self.last_push: dict[str, Any] = {}
         self.announced_at = 0.0
         self.control = control if control is not None else RunControl()
-
-    async def _notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def _wait_change(self, left: float) -> None:
-        async with self.changed:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout=left)
 
     # ------------------------------------------------------------ membership
 
@@ -123,7 +113,7 @@ class WeightHub:
         )
         self.actors[replica_id] = actor
         log.info("replica %s registered with %d worker(s) on node %s", replica_id, workers, node_ip or "?")
-        await self._notify()
+        await self.changed.notify()
         return need
 
     def current_version(self) -> int:
@@ -136,7 +126,7 @@ class WeightHub:
         if m is not None and m.alive:
             m.alive, m.leaving, m.left_at = False, True, time.time()
             log.info("replica %s leaves the weight group", replica_id)
-        await self._notify()
+        await self.changed.notify()
 
     async def served(self, replica_id: str, version: int) -> None:
         """A replica reports its first rollout request and the version it served it with."""
@@ -168,7 +158,7 @@ class WeightHub:
             if m is not None and m.alive:
                 m.alive, m.dropped, m.left_at = False, reason, time.time()
                 log.warning("replica %s dropped from the weight group: %s", rid, reason)
-        await self._notify()
+        await self.changed.notify()
 
     async def _drop_dead(self) -> None:
         """Drop the members whose replica actor Ray reports dead (its process killed or crashed): the new
@@ -203,7 +193,7 @@ class WeightHub:
             transport=transport,
         )
         self.plan = None
-        await self._notify()
+        await self.changed.notify()
         return self.group
 
     async def announce(self, plan: PushPlan, epoch: int | None = None) -> bool:
@@ -232,7 +222,7 @@ class WeightHub:
             "announced_at": self.announced_at,
             "epoch": self.group.epoch if self.group else None,
         }
-        await self._notify()
+        await self.changed.notify()
         return True
 
     async def wait_acks(self, kind: str, key: int, timeout_s: float) -> Acks:
@@ -247,7 +237,7 @@ class WeightHub:
             left = deadline - time.monotonic()
             if not waiting or left <= 0:
                 break
-            await self._wait_change(min(left, 1.0))
+            await self.changed.wait(min(left, 1.0))
         got = {rid: a for rid, a in self.acks.get((kind, key), {}).items() if rid in expected}
         acks = Acks(kind=kind, key=key, got=got, missing=missing)
         if kind == "push" and acks.complete:
@@ -284,7 +274,7 @@ class WeightHub:
             left = deadline - time.monotonic()
             if left <= 0:
                 return Idle()
-            await self._wait_change(left)
+            await self.changed.wait(left)
 
     async def ack(self, replica_id: str, kind: str, key: int, ack: Ack) -> None:
         """A replica's answer to join `key` (an epoch) or push `key` (a version)."""
@@ -303,7 +293,7 @@ class WeightHub:
                     m.join_s = m.admitted_at - m.started_at
                     ack = dataclasses.replace(ack, detail={**ack.detail, "join_s": m.join_s})
         self.acks.setdefault((kind, key), {})[replica_id] = ack
-        await self._notify()
+        await self.changed.notify()
 
     async def status(self) -> dict[str, Any]:
         """Version, epoch and every replica ever seen (liveness, version, admission, leave times), with the
@@ -323,23 +313,6 @@ class WeightHub:
             "last_push": self.last_push,
             "trainer": ctl.get("trainer", {}),
         }
-
-    # ------------------------------------------------------------ forwarding to RunControl (transition only)
-
-    async def request_stop(self, reason: str) -> None:
-        await call(self.control, "request_stop", reason)
-
-    async def stop_reason(self) -> str | None:
-        return await call(self.control, "stop_reason")
-
-    async def beat(self, info: dict[str, Any]) -> None:
-        await call(self.control, "beat", info)
-
-    async def abort_inflight(self, timeout_s: float) -> dict[str, Any]:
-        return await call(self.control, "abort_inflight", timeout_s)
-
-    async def abort_count(self) -> int:
-        return await call(self.control, "abort_count")
 
 
 def check_acks(acks: Acks, expected_checksums: list[str] | None, timeout_s: float) -> None:

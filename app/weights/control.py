@@ -1,8 +1,8 @@
 """Run control: a clean stop, the trainer's heartbeat, and aborting every in-flight generation.
 
-Kept apart from the weight plane (app/sync/hub.py): a stop or an abort must reach the roles even while a
+Kept apart from the weight plane (app/weights/hub.py): a stop or an abort must reach the roles even while a
 push is stuck. Run as an async Ray actor named `control_name(prefix)`; replicas long-poll `next_control`
-(app/sync/replica.py) and acknowledge each abort request with `ack`.
+(app/sync.py) and acknowledge each abort request with `ack`.
 
 A replica is expected to answer an abort when it polled within `stale_s` seconds and has not detached (a
 replica handling a push still polls: its abort waits for the push to finish, then answers).
@@ -10,28 +10,19 @@ replica handling a push still polls: its abort waits for the push to finish, the
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
 import logging
 import time
 from typing import Any
 
-from app.sync.records import Abort, Ack, Acks, ControlInstruction, Idle
+from app.weights.records import Abort, Ack, Acks, ControlInstruction, Idle
+from app.weights.shared import Changes
 
 log = logging.getLogger("app.sync")
 
 
 def control_name(prefix: str) -> str:
-    """The run control's Ray actor name for run `prefix` (namespace `app.sync.actors.NAMESPACE`)."""
+    """The run control's Ray actor name for run `prefix` (namespace `app.weights.actors.NAMESPACE`)."""
     return f"{prefix}-run-control"
-
-
-async def call(target: Any, method: str, *args: Any) -> Any:
-    """`target.method(*args)` for a Ray actor handle or an object in this process (tests, a hub alone)."""
-    fn = getattr(target, method)
-    out = fn.remote(*args) if hasattr(fn, "remote") else fn(*args)
-    return await out if inspect.isawaitable(out) else out
 
 
 class RunControl:
@@ -44,16 +35,7 @@ class RunControl:
         self.acks: dict[int, dict[str, Ack]] = {}
         self.polled: dict[str, float] = {}  # replica id -> last poll (monotonic)
         self.stale_s = stale_s
-        self.changed = asyncio.Condition()
-
-    async def _notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def _wait_change(self, left: float) -> None:
-        async with self.changed:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout=left)
+        self.changed = Changes()
 
     async def request_stop(self, reason: str) -> None:
         """Ask the trainer to stop cleanly after the step in progress (it saves and reports as usual)."""
@@ -90,7 +72,7 @@ class RunControl:
         Returns `Acks.as_dict()`: {"kind", "key", "acks": {replica: answer}, "missing": [replica, ...]}."""
         self.abort_seq += 1
         seq, expected = self.abort_seq, self._live()
-        await self._notify()
+        await self.changed.notify()
         deadline = time.monotonic() + timeout_s
         while True:
             got = self.acks.get(seq, {})
@@ -98,7 +80,7 @@ class RunControl:
             left = deadline - time.monotonic()
             if not missing or left <= 0:
                 break
-            await self._wait_change(min(left, 1.0))
+            await self.changed.wait(min(left, 1.0))
         return Acks(kind="abort", key=seq, got=dict(self.acks.get(seq, {})), missing=missing).as_dict()
 
     async def next_control(self, replica_id: str, abort_seen: int, wait_s: float) -> ControlInstruction:
@@ -112,15 +94,15 @@ class RunControl:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return Idle()
-                await self._wait_change(left)
+                await self.changed.wait(left)
         finally:
             self.polled[replica_id] = time.monotonic()
 
     async def ack(self, replica_id: str, seq: int, ack: Ack) -> None:
         self.acks.setdefault(seq, {})[replica_id] = ack
-        await self._notify()
+        await self.changed.notify()
 
     async def detach(self, replica_id: str) -> None:
         """A replica is going away: no later abort waits for it."""
         self.polled.pop(replica_id, None)
-        await self._notify()
+        await self.changed.notify()

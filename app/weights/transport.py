@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from app.sync.records import GroupInfo, PushPlan, PushStats
+from app.weights.records import GroupInfo, PushPlan, PushStats
 
 Gather = Callable[[list[str]], list[torch.Tensor]]
 Load = Callable[[list[tuple[str, torch.Tensor]]], None]

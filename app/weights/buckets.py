@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from app.sync.records import Bucket, PushPlan, TensorSpec, dtype_of
+from app.weights.records import Bucket, PushPlan, TensorSpec, dtype_of
 
 _dtype = dtype_of
 

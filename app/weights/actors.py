@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.sync.control import RunControl, control_name
-from app.sync.hub import WeightHub, hub_name
+from app.weights.control import RunControl, control_name
+from app.weights.hub import WeightHub, hub_name
 
 NAMESPACE = (
     "relay"  # named actors (hub, control, rollouter) live here, reachable from Serve replicas and jobs

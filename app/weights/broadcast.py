@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from app.sync.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack
-from app.sync.group import StatelessGroup
-from app.sync.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
-from app.sync.transport import Gather, Load, register_transport
+from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack
+from app.weights.group import StatelessGroup
+from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
+from app.weights.transport import Gather, Load, register_transport
 
 Start = Callable[[torch.Tensor], list[Any]]
 

@@ -2,7 +2,7 @@
 
 All are keyword-only dataclasses (built by naming their fields). They cross process boundaries pickled by Ray,
 and the plan and the group cross into vLLM workers as JSON (`plan_to_json`, `group_to_json`): tensors never
-travel in these records, only through a transport (see app/sync/transport.py).
+travel in these records, only through a transport (see app/weights/transport.py).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class GroupInfo:
     backend: str
     timeout_s: float
     ranks: dict[str, int]  # replica id -> first rank of its workers
-    transport: str = "broadcast"  # registry name (app/sync/transport.py): both ends build the same one
+    transport: str = "broadcast"  # registry name (app/weights/transport.py): both ends build the same one
 
 
 @dataclass(kw_only=True)
@@ -98,7 +98,7 @@ class PushStats:
     checksums: list[str] = field(default_factory=list)
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica id -> its acknowledgement
 
-    # a replica's phases, in its acknowledgement (app/sync/replica.py): wake-up after the announcement, drain,
+    # a replica's phases, in its acknowledgement (app/sync.py): wake-up after the announcement, drain,
     # pause call, the workers' receive (the RPC's round trip; worker: inside the worker, transfer and load inside
     # that), version, resume
     REPLICA_PHASES: ClassVar[tuple[str, ...]] = (
