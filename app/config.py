@@ -57,7 +57,7 @@ LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 # mode is one file plus one registry line there, and selectable here with no edit): `validate` imports the
 # registry module to check the value (torch, never Ray or vLLM), so `import app.config` itself stays light.
 REGISTRIES: dict[str, tuple[str, str]] = {
-    "algorithm.correction": ("app.losses", "LOSSES"),
+    "algorithm.correction": ("app.trainer.losses", "LOSSES"),
     "algorithm.mode": ("app.trainer.sources", "SOURCES"),
     "env.name": ("app.envs", "ENVIRONMENTS"),
 }
@@ -332,7 +332,7 @@ class TrainConfig(_Section):
     an H100), unless the driver's environment sets the variable; `""`: torch's default; anything else is
     passed as is. (The CUDA-IPC push allocates its staging buffer outside expandable segments.)"""
     compile: Literal["auto", "on", "off"] = "auto"
-    """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/compiled.py: fewer passes over
+    """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/trainer/compiled.py: fewer passes over
     the activations, fewer kernel launches, less memory saved for backward). `auto`: on with GPUs, off on CPU
     (compiling costs more than it saves on small CPU runs)."""
     lr: float = 1e-3

@@ -2,7 +2,7 @@
 
     data     the prompt files (or the embedded task) -> rows; the rollouter streams them through Ray Data
     rollout  a Serve deployment of vLLM replicas; each registers with the weight hub
-    train    a TorchTrainer whose workers run app/train_worker.py's loop (GRPO on FSDP2, weight pushes)
+    train    a TorchTrainer whose workers run app/train_loop.py's loop (GRPO on FSDP2, weight pushes)
     track    one MLflow run: params and config here, metrics from trainer rank 0
 
 Everything started here is stopped here, also when the run fails.
@@ -141,8 +141,8 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
     """One training run. Returns the RESULT record; raises if the run failed. With `train.resume`, the
     checkpoint is verified and compared with this run's model and data before Ray starts
     (`resume_with_new_data`: a change of data.train is allowed, the checkpoint's queue dropped)."""
-    from app import checkpoint, resume_check
     from app.serve_rollout import app_name
+    from app.trainer import checkpoint, resume_check
 
     t0 = time.time()
     picked = checkpoint.select(cfg.train.resume) if cfg.train.resume else None  # fails early, clearly
@@ -345,12 +345,12 @@ def failure_reason(app_status: Any) -> str:
 
 
 def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | None) -> Any:
-    """The TorchTrainer whose workers run app/train_worker.py's loop."""
+    """The TorchTrainer whose workers run app/train_loop.py's loop."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.resources import custom, trainer_env
-    from app.train_worker import train_worker
+    from app.train_loop import train_worker
 
     t = cfg.train
     return TorchTrainer(

@@ -41,7 +41,7 @@ class RefWorker:
     def logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
         import torch
 
-        from app.train_loop import Row, collate, row_values, scored_logprobs
+        from app.trainer.learner import Row, collate, row_values, scored_logprobs
 
         out: list[list[float]] = [[] for _ in completions]
         idx = [i for i, c in enumerate(completions) if c]

@@ -89,7 +89,7 @@ from app.weights.transport import WeightTransport, make_transport
 if TYPE_CHECKING:
     import torch
 
-    from app.train_loop import Learner
+    from app.trainer.learner import Learner
 
 log = logging.getLogger("app.sync")  # the replica's end
 train_log = logging.getLogger("app.train")  # the trainer's end

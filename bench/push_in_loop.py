@@ -39,7 +39,7 @@ def push_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
 
     from app.sync import TrainerSync
-    from app.train_loop import Learner
+    from app.trainer.learner import Learner
     from app.weights.actors import NAMESPACE
     from app.weights.hub import hub_name
 

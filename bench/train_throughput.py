@@ -1,4 +1,4 @@
-"""FSDP2 GRPO step throughput: `Learner.step` (app/train_loop.py) on Qwen2-shaped models, old path vs new.
+"""FSDP2 GRPO step throughput: `Learner.step` (app/trainer/learner.py) on Qwen2-shaped models, old path vs new.
 
 One process per GPU (NCCL default group, as under Ray Train; `--gpus 1` for world size 1); rank 0 builds a
 randomly initialised Qwen2 model of each size (Qwen2.5 shapes, real vocabulary), saves it, and every rank
@@ -264,7 +264,7 @@ def run_case(
 ) -> dict[str, Any] | None:
     """Load a Learner for one (size, sequence length, variant, checkpointing) and time its steps."""
     from app.config import load_config
-    from app.train_loop import Learner
+    from app.trainer.learner import Learner
 
     prompt, response = parse_seq_len(spec)
     seq_len = prompt + response

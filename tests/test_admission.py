@@ -15,7 +15,7 @@ from app.admission import admission_limit, can_admit, merge_partial, over_bound,
 from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
 from app.rollout import AsyncProducer, GenSettings, GroupGenerator, ProducerSettings, PromptStream
-from app.train_loop import staleness_by_length_decile
+from app.trainer.learner import staleness_by_length_decile
 
 
 def test_admission_limit_hand_values():

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import checkpoint, resume_check
 from app.records import PipelineSnapshot, Prompt
+from app.trainer import checkpoint, resume_check
 from app.trainer.state import fresh_pipeline
 from app.watchdog import Watchdog, summarize
 

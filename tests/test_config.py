@@ -248,7 +248,7 @@ def test_registry_choices_are_checked_against_the_registries():
     """algorithm.mode / algorithm.correction / env.name name registry keys: a typo is refused with the valid
     keys."""
     from app.envs import ENVIRONMENTS
-    from app.losses import LOSSES
+    from app.trainer.losses import LOSSES
     from app.trainer.sources import SOURCES
 
     for key, registry in (

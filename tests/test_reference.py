@@ -8,7 +8,7 @@ from app import tiny
 from app.config import load_config
 from app.records import Batch, Group, Sample
 from app.reference import RefWorker
-from app.train_loop import Learner
+from app.trainer.learner import Learner
 
 
 def test_reference_worker_matches_trainer(tmp_path):

@@ -13,10 +13,10 @@ from app.records import Batch, Group, Sample
 from app.resources import ResourceError, check, demands
 from app.reward_pool import RewardPool, RewardWorker
 from app.rewards import math_reward, resolve_reward_fn
-from app.train_loop import batch_metrics
+from app.trainer.learner import batch_metrics
 
 # The reward functions of these tests live in tests/test_rewards.py: the scoring processes import them, and
-# this module imports torch (app.train_loop), which would cost each process seconds to start.
+# this module imports torch (app.trainer.learner), which would cost each process seconds to start.
 TOWERS = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{40}}}", "\\boxed{10^{10^7}}"]
 
 

@@ -1,4 +1,4 @@
-"""`Trainer`: the pieces one trainer worker runs with, built once by `app.train_worker.train_worker`."""
+"""`Trainer`: the pieces one trainer worker runs with, built once by `app.train_loop.train_worker`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from app.trainer.validation import Validator
 class Trainer:
     cfg: Any
     rank: int
-    learner: Any  # app.train_loop.Learner
+    learner: Any  # app.trainer.learner.Learner
     sync: Any  # app.sync.TrainerSync
     source: BatchSource
     actors: Actors

@@ -181,7 +181,7 @@ def gpu_config(*extra: str) -> Any:
 def train_rank(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str, steps: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from app.train_loop import Learner, param_name
+    from app.trainer.learner import Learner, param_name
 
     device = use_device(rank)
     dist.init_process_group(
@@ -201,7 +201,7 @@ def train_rank(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str, 
         layer0 = learner.model.model.layers[0]
 
         def hook(mod: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            # on the MLP, not its gate_proj: on a GPU the compiled layers (app/compiled.py) call the MLP's
+            # on the MLP, not its gate_proj: on a GPU the compiled layers (app/trainer/compiled.py) call the MLP's
             # weights directly, so a hook on the Linear submodule never fires
             seen["weight"] = str(mod.gate_proj.weight.dtype)
             seen["input"] = str(args[0].dtype)
@@ -489,7 +489,7 @@ def trainer_main(scenario: str, model_dir: str | None, timeout_s: float, deadlin
     epochs: list[Epoch] = []
     try:
         if scenario == "fsdp":
-            from app.train_loop import Learner
+            from app.trainer.learner import Learner
 
             learner = Learner(gpu_config("train.workers=1"), model_dir, dev)
             specs, gather = learner.push_specs(), learner.gather

@@ -16,8 +16,8 @@ def logprob_loop(config: dict[str, Any]) -> None:
     from app.rollouter import rollouter_name
     from app.serve_rollout import DEPLOYMENT_NAME, app_name
     from app.sync import TrainerSync
-    from app.train_loop import Learner
     from app.trainer.comm import bcast
+    from app.trainer.learner import Learner
     from app.weights.actors import NAMESPACE
     from app.weights.hub import hub_name
 
@@ -171,7 +171,7 @@ def disagg_loop(config: dict[str, Any]) -> None:
     from app.rollouter import rollouter_name
     from app.serve_rollout import DEPLOYMENT_NAME, app_name
     from app.sync import TrainerSync
-    from app.train_loop import Learner
+    from app.trainer.learner import Learner
     from app.weights.actors import NAMESPACE
     from app.weights.hub import hub_name
 

@@ -3,7 +3,7 @@
 A loss takes the tensors of one micro-batch (`LossInputs`) and the algorithm settings, and returns a
 `LossOutputs`: the per-token loss and the per-token tensors its metrics come from. `Learner.step` calls
 `LOSSES[cfg.algorithm.correction]` and knows nothing else about it; adding a variant is one function and
-one registry line (tests/test_losses.py trains a step with a toy one). The math itself lives in app/grpo.py.
+one registry line (tests/test_losses.py trains a step with a toy one). The math itself lives in app/trainer/grpo.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from app import grpo
+from app.trainer import grpo
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,7 @@ One checkpoint directory holds:
     pipeline.json   the rollouter's snapshot: stream position, finished groups not yet trained, and the other
                     prompts taken from the stream with their partial rollouts (app/rollouter.py)
     config.json     what `--resume` compares a new run with: the resolved config, the model's identity and
-                    shapes, the prompt files' checksums (app/resume_check.py)
+                    shapes, the prompt files' checksums (app/trainer/resume_check.py)
     manifest.json   written last: every other file with its size and sha256
 
 Every rank writes its part into a local directory, hashes it, and reports it with `ray.train.report`; Ray

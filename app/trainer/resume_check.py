@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.checkpoint import CONFIG, sha256
+from app.trainer.checkpoint import CONFIG, sha256
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ copies slices). Here those pieces are pure functions compiled once (dynamic toke
 serves every micro-batch length and every layer), and the model's RMSNorm, MLP and (for packed micro-batches)
 attention modules are pointed at them.
 
-The attention kernel itself (app/packing.py) and FSDP2's hooks stay eager: the compiled regions take tensors
+The attention kernel itself (app/trainer/packing.py) and FSDP2's hooks stay eager: the compiled regions take tensors
 only, so no guard depends on a module, a parameter's identity or a packed micro-batch's boundaries, and
 FSDP2's gathered parameters are read at call time. The numbers are the eager modules' (same operations; in
 bf16 the fused kernels round once where eager rounds after every operation), which tests/test_packed_step.py
@@ -103,7 +103,7 @@ def _attn_forward(
         return type(module).forward(
             module, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
         )
-    from app.packing import packed_attention
+    from app.trainer.packing import packed_attention
 
     for t in (hidden_states, cos, sin):
         _mark_tokens_dynamic(t)
