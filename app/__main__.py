@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from app.config import REFERENCE_PATH, ConfigError, load_config, reference_markdown
-from app.log_filters import configure_logging
+from app.infra.log_filters import configure_logging
 
 log = logging.getLogger("app")
 

@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from app.config import flatten, to_container
-from app.data import PromptRow, check_file, load_rows
+from app.rollout.prompt_files import PromptRow, check_file, load_rows
 
 log = logging.getLogger("app.driver")
 
@@ -51,17 +51,17 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
     root = None
     model_path = cfg.model.path
     if model_path == "builtin:tiny" or "builtin:arith" in (cfg.data.train, cfg.data.val):
-        from app.tiny import ensure_builtin
+        from app.tasks.tiny import ensure_builtin
 
         root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
     if model_path == "builtin:tiny":
         model_path = str(root / "model")
     elif model_path == "builtin:tiny-calc":
-        from app.calc_task import ensure_builtin_calc
+        from app.tasks.calc import ensure_builtin_calc
 
         model_path = str(ensure_builtin_calc(cfg.model.cache_dir, seed=cfg.seed) / "model")
     elif model_path == "builtin:tiny-code":
-        from app.tiny import ensure_builtin_code
+        from app.tasks.tiny import ensure_builtin_code
 
         model_path = str(ensure_builtin_code(cfg.model.cache_dir, seed=cfg.seed) / "model")
     elif not Path(model_path, "config.json").exists():
@@ -74,11 +74,11 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         if spec == "builtin:arith":
             return str(root / f"{split}.jsonl")
         if spec == "builtin:code":
-            from app.code_task import ensure_code_task
+            from app.tasks.code import ensure_code_task
 
             return str(ensure_code_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
         if spec == "builtin:calc":
-            from app.calc_task import ensure_calc_task
+            from app.tasks.calc import ensure_calc_task
 
             return str(ensure_calc_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
         if spec.startswith("builtin:"):
@@ -113,13 +113,13 @@ def start_ray(cfg: DictConfig) -> bool:
     """Connect to (or start) Ray; returns True if this call started a local cluster."""
     import ray
 
-    from app import ray_compat
+    from app.infra import ray_compat
 
     if ray.is_initialized():
         return False
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "RELAY_LOG_LEVEL": cfg.log_level}
     # Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for roles that asked for no GPU (they would see every GPU);
-    # this makes it hide the GPUs from them (app/resources.py also hides them per role)
+    # this makes it hide the GPUs from them (app/infra/resources.py also hides them per role)
     env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"
     if os.environ.get(
         "TQDM_DISABLE"
@@ -172,7 +172,7 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
 
 @dataclass
 class _Run:
-    """One run's name, folder (locked while the run lives: app/run_lock.py) and MLflow run."""
+    """One run's name, folder (locked while the run lives: app/infra/run_lock.py) and MLflow run."""
 
     name: str
     dir: Path
@@ -190,10 +190,10 @@ class _Run:
 
 
 def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
-    """The run folder under `run_dir` (durable: app/storage.py) with its config, and its MLflow run."""
-    from app.run_lock import RunLock, new_run_name
-    from app.storage import resolve_run_dir
-    from app.tracking import Tracker, default_uri
+    """The run folder under `run_dir` (durable: app/infra/storage.py) with its config, and its MLflow run."""
+    from app.infra.run_lock import RunLock, new_run_name
+    from app.infra.storage import resolve_run_dir
+    from app.infra.tracking import Tracker, default_uri
 
     name = cfg.tracking.run_name or new_run_name()  # unique also for runs started in the same second
     root = resolve_run_dir(cfg.run_dir)
@@ -227,9 +227,9 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
     wait forever or cannot work."""
     import ray
 
-    from app.resources import auto_transport, check_nccl_devices, check_nodes, check_placement
-    from app.resources import check as check_resources
-    from app.resources import resolve as resolve_resources
+    from app.infra.resources import auto_transport, check_nccl_devices, check_nodes, check_placement
+    from app.infra.resources import check as check_resources
+    from app.infra.resources import resolve as resolve_resources
 
     cluster = ray.cluster_resources()
     shares = resolve_resources(cfg, cluster)  # resources.* shares -> per-role settings
@@ -258,8 +258,8 @@ def _start_roles(
     deployment fails to start. GPU replicas start before the trainer (vLLM measures the free memory)."""
     import ray
 
-    from app import ray_compat
-    from app.rollouter import Rollouter, rollouter_name
+    from app.infra import ray_compat
+    from app.rollout.rollouter import Rollouter, rollouter_name
     from app.serve_rollout import app_name, build_app
     from app.weights.actors import NAMESPACE, start_sync_actors
 
@@ -267,7 +267,7 @@ def _start_roles(
     hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
     agents = cfg.env.name == "openai_agent"  # agent code drives rollouts through the OpenAI endpoint
     if agents:
-        from app.openai_api import deploy_frontend, start_http
+        from app.envs.agent.openai_api import deploy_frontend, start_http
 
         cfg = OmegaConf.merge(
             cfg, {"env": {"http_port": start_http(cfg.env.http_port)}}
@@ -349,7 +349,7 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.resources import custom, trainer_env
+    from app.infra.resources import custom, trainer_env
     from app.train_loop import train_worker
 
     t = cfg.train
@@ -394,8 +394,8 @@ def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float, watch: Call
     (who joined when, at which version, who left); a stall raises StallError with the watchdog's report."""
     import ray
 
-    from app.watchdog import REPORT as STALL_REPORT
-    from app.watchdog import StallError, summarize
+    from app.infra.watchdog import REPORT as STALL_REPORT
+    from app.infra.watchdog import StallError, summarize
 
     stall = run.dir / STALL_REPORT
 
@@ -510,8 +510,8 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     import ray
     from ray import serve
 
-    from app import ray_compat
-    from app.rollouter import rollouter_name
+    from app.infra import ray_compat
+    from app.rollout.rollouter import rollouter_name
     from app.serve_rollout import app_name
     from app.weights.actors import NAMESPACE
     from app.weights.control import control_name
@@ -529,7 +529,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     except Exception as e:
         log.warning("deleting the rollout app: %s", e)
     if cfg.env.name == "openai_agent":
-        from app.openai_api import frontend_app_name
+        from app.envs.agent.openai_api import frontend_app_name
 
         try:
             ray_compat.delete_app(frontend_app_name(cfg.ray.name), wait=False)

@@ -24,9 +24,9 @@ from typing import Any
 
 from ray import serve
 
-from app import ray_compat
+from app.infra import ray_compat
+from app.infra.resources import custom, memory_share, role_env
 from app.records import GenerateRequest, GenerateResponse, Sample
-from app.resources import custom, memory_share, role_env
 from app.sync import ReplicaSync
 from app.vllm import engine as vla
 from app.weights.actors import NAMESPACE
@@ -68,7 +68,7 @@ class RolloutServer:
         self.hub = ray.get_actor(hub, namespace=NAMESPACE)
         self.generated_tokens = 0
         self.ongoing = 0
-        from app.metrics import replica_metrics
+        from app.infra.metrics import replica_metrics
 
         self.metrics = replica_metrics()
         self.tags = {"replica": self.replica_id}

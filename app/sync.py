@@ -63,7 +63,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from app.ray_compat import current_actor
+from app.infra.ray_compat import current_actor
 from app.trainer.comm import bcast
 from app.vllm import engine as vla
 from app.weights.buckets import plan_buckets
@@ -109,7 +109,7 @@ class TrainerSync:
         self.cfg, self.learner, self.hub, self.device = cfg, learner, hub, device
         self.rank = learner.rank
         self.transport_name = str(getattr(cfg.sync, "transport", "broadcast"))
-        if self.transport_name == "auto":  # the driver resolves it from placement (app/resources.py)
+        if self.transport_name == "auto":  # the driver resolves it from placement (app/infra/resources.py)
             self.transport_name = "broadcast"  # a bare TrainerSync (tests, benches) knows none
         # an unknown name fails here, before any push; an unopened transport only walks the gathers
         self.walker = make_transport(self.transport_name)

@@ -83,7 +83,7 @@ def begin(t: Trainer, st: RunState) -> None:
     if t.lead:
         if st.restored_from is None or st.val_last is None:
             st.val_first = st.val_last = t.validator.run(st.version, st.step)
-        from app.ray_compat import progress_bar
+        from app.infra.ray_compat import progress_bar
 
         t.bar = progress_bar(total=t.cfg.train.steps, desc="relay train")
         if st.step:
@@ -305,15 +305,15 @@ def train_worker(config: dict[str, Any]) -> None:
     t = build(OmegaConf.create(config["cfg"]), config)
     try:
         run(t, restore_or_start(t, config.get("resume")))
-    finally:  # rank 0's queued MLflow calls, written within a deadline (app/tracking.py)
+    finally:  # rank 0's queued MLflow calls, written within a deadline (app/infra/tracking.py)
         if t.tracker is not None:
             t.tracker.close()
 
 
 def build(cfg: Any, config: dict[str, Any]) -> Trainer:
     """This worker's learner (its FSDP2 shard), weight sync, batch source and, on rank 0, the loggers."""
-    from app.metrics import trainer_metrics
-    from app.tracking import Tracker
+    from app.infra.metrics import trainer_metrics
+    from app.infra.tracking import Tracker
 
     torch.manual_seed(cfg.train.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
@@ -343,7 +343,7 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
 
 def lookup_actors(prefix: str, timeout_s: float) -> Actors:
     """The actors of run `prefix` (created by app/driver.py), looked up by name."""
-    from app.rollouter import rollouter_name
+    from app.rollout.rollouter import rollouter_name
     from app.weights.actors import get_actor
     from app.weights.control import control_name
     from app.weights.hub import hub_name

@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import load_config
+from app.infra.resources import memory_share
 from app.records import GenerateRequest
-from app.resources import memory_share
 from app.vllm import engine as vla
 
 log = logging.getLogger("bench.rollout_overhead")

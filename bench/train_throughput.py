@@ -62,7 +62,7 @@ for p in (str(ROOT), str(Path(__file__).resolve().parent)):
 
 from qwen_shapes import QWEN2_SHAPES, qwen2_config  # noqa: E402
 
-from app.resources import cuda_alloc_env  # noqa: E402
+from app.infra.resources import cuda_alloc_env  # noqa: E402
 
 PEAKS_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0}
 # the first round's settings (2026-11-24): what the named layouts measure unless a lever says otherwise

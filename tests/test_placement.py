@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.config import ConfigError, load_config
-from app.resources import (
+from app.infra.resources import (
     ResourceError,
     auto_transport,
     check,
@@ -256,7 +256,7 @@ def test_custom_resources_pin_roles_and_are_checked_per_node():
     """resources.rollout_custom / train_custom (a two-node cluster: rollout on one node, training on the
     other) are asked by each replica and train worker, counted in the start-up check, and checked against
     the nodes that hold them."""
-    from app.resources import check_nodes, custom
+    from app.infra.resources import check_nodes, custom
 
     cfg = load_config(
         None,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from app import tiny
 from app.config import load_config
 from app.records import Batch, Group, Sample
-from app.reference import RefWorker
+from app.rollout.reference import RefWorker
+from app.tasks import tiny
 from app.trainer.learner import Learner
 
 

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from app.config import load_config
+from app.infra.resources import ResourceError, check, demands
 from app.records import Batch, Group, Sample
-from app.resources import ResourceError, check, demands
-from app.reward_pool import RewardPool, RewardWorker
 from app.rewards import math_reward, resolve_reward_fn
+from app.rewards.pool import RewardPool, RewardWorker
 from app.trainer.learner import batch_metrics
 
 # The reward functions of these tests live in tests/test_rewards.py: the scoring processes import them, and
@@ -154,7 +154,7 @@ def test_async_reward_functions_are_awaited():
 
 
 def test_resource_shares_resolve_to_per_role_settings():
-    from app.resources import resolve
+    from app.infra.resources import resolve
 
     cfg = load_config(
         None,

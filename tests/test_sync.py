@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from app import tiny
+from app.tasks import tiny
 from app.weights.buckets import checksum, plan_buckets, unpack
 from app.weights.control import RunControl
 from app.weights.group import free_port

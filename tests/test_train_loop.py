@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from app import tiny
 from app.config import load_config
 from app.records import Batch, Group, Sample
+from app.tasks import tiny
 from app.trainer.learner import Learner, collate, flatten_batch, staleness
 
 

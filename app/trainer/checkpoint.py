@@ -7,7 +7,7 @@ One checkpoint directory holds:
     rank{r}.pt      each rank's learning-rate scheduler and RNG states
     state.json      the trainer's counters: weight version, step, validation, skipped steps
     pipeline.json   the rollouter's snapshot: stream position, finished groups not yet trained, and the other
-                    prompts taken from the stream with their partial rollouts (app/rollouter.py)
+                    prompts taken from the stream with their partial rollouts (app/rollout/rollouter.py)
     config.json     what `--resume` compares a new run with: the resolved config, the model's identity and
                     shapes, the prompt files' checksums (app/trainer/resume_check.py)
     manifest.json   written last: every other file with its size and sha256

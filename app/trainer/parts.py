@@ -25,8 +25,8 @@ class Trainer:
     model_path: str
     monitor: Monitor
     accounting: TrainedLog
-    prom: Any  # app.metrics.Metrics
-    tracker: Any = None  # rank 0: app.tracking.Tracker
+    prom: Any  # app.infra.metrics.Metrics
+    tracker: Any = None  # rank 0: app.infra.tracking.Tracker
     validator: Validator | None = None  # rank 0
     bar: Any = None  # rank 0: the progress bar, from the loop's start
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from app.log_filters import silence_vllm_reload_warnings
+from app.infra.log_filters import silence_vllm_reload_warnings
 from app.vllm.fast_load import copy_into, plan_slots
 from app.weights.buckets import checksum
 from app.weights.records import dtype_of, group_from_json, plan_from_json

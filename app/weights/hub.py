@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app import ray_compat
+from app.infra import ray_compat
 from app.weights.control import RunControl
 from app.weights.records import (
     Ack,

@@ -100,7 +100,7 @@ def build_model_dir(path: Path, hidden: int = 256, layers: int = 4, inter: int =
     """A randomly initialised Qwen2 model plus the embedded character tokenizer, saved to `path`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from app import tiny
+    from app.tasks import tiny
 
     tok = tiny.build_tokenizer()
     base = tiny.model_config(len(tok))  # the embedded model's config, made wider and deeper

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from app.ray_compat import forget_stale_cluster_address
+from app.infra.ray_compat import forget_stale_cluster_address
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -183,8 +183,8 @@ def rollout_stack(ray_cluster, cache_dir):
 
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
-    from app.openai_api import start_http
-    from app.rollouter import Rollouter, rollouter_name
+    from app.envs.agent.openai_api import start_http
+    from app.rollout.rollouter import Rollouter, rollouter_name
     from app.serve_rollout import app_name, build_app
     from app.weights.actors import NAMESPACE, start_sync_actors
 

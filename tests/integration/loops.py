@@ -13,7 +13,7 @@ def logprob_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
-    from app.rollouter import rollouter_name
+    from app.rollout.rollouter import rollouter_name
     from app.serve_rollout import DEPLOYMENT_NAME, app_name
     from app.sync import TrainerSync
     from app.trainer.comm import bcast
@@ -168,7 +168,7 @@ def disagg_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
-    from app.rollouter import rollouter_name
+    from app.rollout.rollouter import rollouter_name
     from app.serve_rollout import DEPLOYMENT_NAME, app_name
     from app.sync import TrainerSync
     from app.trainer.learner import Learner

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.ray_compat import forget_stale_cluster_address
+from app.infra.ray_compat import forget_stale_cluster_address
 from tests.integration.conftest import REPO
 from tests.integration.test_loop import check_tracked_run
 

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from app.ray_compat import forget_stale_cluster_address
+from app.infra.ray_compat import forget_stale_cluster_address
 from tests.integration.conftest import REPO
 from tests.integration.test_async import _prompts
 

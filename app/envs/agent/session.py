@@ -1,7 +1,7 @@
 """Agent sessions: agent code written against an OpenAI client drives a sample's rollout (`env.name=openai_agent`).
 
 For each sample the runner (`AgentEpisode`) opens a session on the OpenAI-compatible frontend
-(app/openai_api.py), calls the user's agent function (`env.agent`, `async def agent(base_url, row)`) with
+(app/envs/agent/openai_api.py), calls the user's agent function (`env.agent`, `async def agent(base_url, row)`) with
 the session's base URL, and waits for its reward, within `env.agent_timeout_s` (a number, or a dict with a
 `score`, numeric sub-scores and `tool_calls`: `agent_reward`). The frontend records
 every chat call of the session (`SessionCall`: prompt token ids, completion token ids with their behaviour
@@ -15,7 +15,7 @@ the version of the model token before them.) A session must be prefix-consistent
 extends the previous call's prompt + completion token for token (true when the agent appends to one
 conversation; the frontend builds each prompt on the previous one's tokens for that reason), and the first
 call's prompt starts with the row's prompt tokens (send the row's prompt as the conversation's start: the
-frontend renders chat messages as app/data.py renders chat prompts). An inconsistent session, an agent that
+frontend renders chat messages as app/rollout/prompt_files.py renders chat prompts). An inconsistent session, an agent that
 raises or misses its deadline, or a reward that is not a finite number scores `reward.on_error` and is
 counted (`env/errors_inconsistent`, `_exception`, `_timeout`, `_invalid`); the consistent part of the
 trajectory is kept, its model tokens trained with that reward, like a failed environment's episode.
@@ -143,8 +143,8 @@ class AgentEpisodes:
     def make_episode(self, gen: GroupGenerator, limits: EpisodeLimits) -> AgentEpisode:
         from ray import serve
 
-        from app import ray_compat
-        from app.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
+        from app.envs.agent.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
+        from app.infra import ray_compat
 
         handle = serve.get_deployment_handle(DEPLOYMENT, app_name=frontend_app_name(self.cfg.ray.name))
         base = f"http://127.0.0.1:{ray_compat.serve_http_port()}{ROUTE_PREFIX}"

@@ -3,7 +3,7 @@
 Each problem is a small parameterised family ("read two integers a and b, print 3*a - 2*b", "print the
 largest of a list", "reverse a string", ...) with one worked example in the prompt and three hidden
 tests in the answer, a JSON string `{"tests": [{"input": ..., "output": ...}, ...]}` that
-`app.sandbox.code_reward` understands. Everything is generated locally and deterministically from a seed;
+`app.rewards.sandbox.code_reward` understands. Everything is generated locally and deterministically from a seed;
 prompts are unique. Every problem carries a reference solution, used by the tests only (it is not written
 to the task files) to prove that its tests are solvable.
 """
@@ -221,7 +221,7 @@ def _row(p: CodeProblem) -> dict:
 
 
 def make_code_rows(n: int, seed: int) -> list[dict]:
-    """`n` rows `{"id", "prompt", "answer", "data_source": "code"}` (the jsonl format of app.data)."""
+    """`n` rows `{"id", "prompt", "answer", "data_source": "code"}` (the jsonl format of app.rollout.prompt_files)."""
     return [_row(p) for p in make_code_problems(n, seed)]
 
 

@@ -49,7 +49,7 @@ class Rollouter:
         from ray import serve
         from transformers import AutoTokenizer
 
-        from app.reward_pool import RewardPool
+        from app.rewards.pool import RewardPool
         from app.rollout.dataset import to_prompt, train_dataset, val_prompts
         from app.serve_rollout import DEPLOYMENT_NAME, app_name
 
@@ -62,7 +62,7 @@ class Rollouter:
         self.val_prompts = val_prompts(val, model_path, d.max_prompt_tokens, d.truncation, d.val_size)
         refs = None
         if cfg.algorithm.kl_coef > 0 and cfg.ref.workers > 0:
-            from app.reference import RefPool
+            from app.rollout.reference import RefPool
 
             refs = RefPool(cfg, model_path)
         self.stats: Counter[str] = Counter()

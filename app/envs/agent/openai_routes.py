@@ -1,7 +1,7 @@
 """Where the OpenAI-compatible front end lives: its Serve application, deployment and route prefix.
 
-A leaf module: both the front end (app/openai_api.py) and the agent sessions that call it
-(app/rollout/agent_session.py) import these names from here, so neither imports the other.
+A leaf module: both the front end (app/envs/agent/openai_api.py) and the agent sessions that call it
+(app/envs/agent/session.py) import these names from here, so neither imports the other.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The OpenAI chat-completions protocol over Relay's token-in/token-out generation, and session records.
 
-`ChatCore` is what the HTTP frontend (app/openai_api.py) runs for `POST .../v1/chat/completions`, without
+`ChatCore` is what the HTTP frontend (app/envs/agent/openai_api.py) runs for `POST .../v1/chat/completions`, without
 HTTP or Ray: it turns chat messages into prompt token ids, generates through a `GenerateFn` (the rollout
 deployment's `generate`: load-balanced over the vLLM replicas, each token with its behaviour log-prob and
 policy version), and answers in the OpenAI response shape. Relay's own fields ride along in `relay`
@@ -10,10 +10,10 @@ token ids, log-probs, versions and the replica.
 Chat rendering: the tokenizer's chat template with the generation prompt when it has one; else a plain
 fallback (the built-in tiny models have none): the messages' contents concatenated, each assistant
 message followed by the EOS token, consecutive non-assistant messages joined with a newline (so a chat
-prompt renders as app/data.py renders it, and a conversation as Relay's own multi-turn episodes are laid
+prompt renders as app/rollout/prompt_files.py renders it, and a conversation as Relay's own multi-turn episodes are laid
 out: prompt, model turn + EOS, observation, model turn...).
 
-Sessions (opened by Relay's runner, app/rollout/agent_session.py): every call of a session is recorded
+Sessions (opened by Relay's runner, app/envs/agent/session.py): every call of a session is recorded
 (`SessionCall`), and a call whose rendered conversation extends the previous call's prompt + reply (as text)
 reuses that context's token ids and tokenizes only what was added, so a conversation that grows by appending
 stays token-for-token consistent (re-tokenizing a model's reply can give other tokens than it sampled).
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app import admission
+from app.envs.agent.session import SessionCall
 from app.records import GenerateRequest, Sample
-from app.rollout.agent_session import SessionCall
+from app.rollout import admission
 
 MAX_RESUBMITS = 100
 SEED_STRIDE = 7919  # a session's k-th call samples with seed + SEED_STRIDE * k (as Relay's episodes do)

@@ -118,7 +118,7 @@ def check_reachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 def store_lock(uri: str, timeout_s: float = STORE_LOCK_TIMEOUT_S) -> Iterator[None]:
     """For a SQLite store, a file lock beside the database (`mlflow.db.lock`) while it is created, migrated
     and written at a run's start; nothing for other stores."""
-    from app.run_lock import file_lock
+    from app.infra.run_lock import file_lock
 
     path = uri[len("sqlite:///") :].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
     if not path or path == ":memory:":

@@ -6,12 +6,12 @@
     GET  {ROUTE_PREFIX}/v1/models
 
 So an unmodified OpenAI client with `base_url=http://127.0.0.1:<port>/relay/s/<session>/v1` drives a
-session. The protocol, the chat rendering and the session records are app/openai_chat.py's `ChatCore`;
+session. The protocol, the chat rendering and the session records are app/envs/agent/openai_chat.py's `ChatCore`;
 this module is its HTTP face: one FastAPI ingress deployment (`OpenAIFrontend`, no GPU) that generates
 through a handle to the rollout deployment's `generate` (app/rollout/serve_generate.py: load-balanced over
 the vLLM replicas, retried on a live one when a replica died), so a chat call carries behaviour log-probs
 and per-token policy versions exactly as Relay's own rollouts do. Relay's runner
-(app/rollout/agent_session.py) opens and takes sessions through the deployment's handle.
+(app/envs/agent/session.py) opens and takes sessions through the deployment's handle.
 
 The frontend is one replica: sessions live in its memory (the runner takes each at the end; idle ones
 expire). It is its own Serve application (`<ray.name>-openai`, route prefix `/relay`), so the rollout
@@ -29,9 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from app.openai_chat import ChatCore, ChatSettings, RequestError
-from app.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
-from app.rollout.agent_session import SessionCall
+from app.envs.agent.openai_chat import ChatCore, ChatSettings, RequestError
+from app.envs.agent.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
+from app.envs.agent.session import SessionCall
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def build_frontend(cfg: Any, model_path: str) -> Any:
 def start_http(port: int) -> int:
     """Start Serve with its HTTP proxy on 127.0.0.1:`port` (0: a free port) unless it runs already;
     returns the port the proxy listens on (that of a Serve already running, which cannot change)."""
-    from app import ray_compat
+    from app.infra import ray_compat
     from app.weights.group import free_port
 
     serve.start(http_options={"host": "127.0.0.1", "port": port or free_port()})
@@ -133,7 +133,7 @@ def start_http(port: int) -> int:
 
 def deploy_frontend(cfg: Any, model_path: str) -> None:
     """Deploy this run's frontend (without waiting for it: its replica starts beside the rollout's)."""
-    from app import ray_compat
+    from app.infra import ray_compat
 
     ray_compat.deploy_app(
         build_frontend(cfg, model_path), frontend_app_name(cfg.ray.name), route_prefix=ROUTE_PREFIX

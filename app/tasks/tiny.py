@@ -222,7 +222,7 @@ def ensure_builtin_code(cache_dir: str | Path, seed: int = 0, warmup_steps: int 
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from app.code_task import make_code_problems
+    from app.tasks.code import make_code_problems
 
     log.info("building the embedded tiny code model under %s", root)
     root.mkdir(parents=True, exist_ok=True)

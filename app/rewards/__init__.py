@@ -4,9 +4,15 @@ A reward function takes `(response, answer)` and returns a number (float/int/boo
 sub-scores with a required `"score"` key; the other entries are reported as extras.
 
 `evaluate()` runs a function in-process without a deadline and never raises. Deadlines are enforced one
-level up, by app.reward_pool.RewardProcesses: a reward runs in a long-lived scoring subprocess that is
+level up, by app.rewards.pool.RewardProcesses: a reward runs in a long-lived scoring subprocess that is
 killed (SIGKILL) when it misses its deadline, because a thread cannot be stopped (a big-integer power in
 sympy holds the GIL, so even the thread that waits on the deadline would not wake).
+
+The reward stage, in this package:
+
+    __init__.py  the reward functions (`BUILTINS`), `resolve_reward_fn`, `evaluate` (this module)
+    pool.py      the scoring processes: killable, with deadlines; on reward workers when there are any
+    sandbox.py   the code sandbox that runs untrusted programs (`code_reward`)
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from app.sandbox import code_reward
+from app.rewards.sandbox import code_reward
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +130,7 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     spec = (spec or "").strip()
     if spec == "auto":
         source = (data_source or "").lower()
-        if source == "code":  # app.code_task's rows: run the program on the row's tests in the sandbox
+        if source == "code":  # app.tasks.code's rows: run the program on the row's tests in the sandbox
             return code_reward
         if "gsm8k" in source:
             return gsm8k_reward
@@ -217,7 +223,7 @@ async def _awaited(aw: Any) -> Any:
 
 def evaluate(fn: RewardFn, response: str, answer: str, on_error: float) -> RewardResult:
     """Run `fn(response, answer)` here and now (an async function is awaited on a fresh event loop); never
-    raises. No deadline: this runs inside a scoring process (app.reward_pool.RewardProcesses), which its
+    raises. No deadline: this runs inside a scoring process (app.rewards.pool.RewardProcesses), which its
     parent kills at the deadline. Exceptions score `on_error` with error="exception" (logged as a warning),
     a MemoryError (the process's memory limit) with error="oom"; NaN/inf or a non-numeric result gives
     error="invalid"."""
@@ -248,6 +254,6 @@ def warm_up(fn: RewardFn) -> None:
     if fn is math_reward:
         import math_verify  # noqa: F401
     if fn is code_reward:
-        from app.sandbox import isolation
+        from app.rewards.sandbox import isolation
 
         isolation()

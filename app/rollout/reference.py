@@ -62,7 +62,7 @@ class RefPool:
     def __init__(self, cfg: Any, model_path: str) -> None:
         import ray
 
-        from app.resources import role_env
+        from app.infra.resources import role_env
 
         r = cfg.ref
         cls = ray.remote(RefWorker)

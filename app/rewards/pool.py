@@ -59,7 +59,7 @@ STARTUP_TIMEOUT_S = 120.0
 """Deadline to start a scoring process and import a reward's module (sympy, a user's torch import) on a
 loaded machine; not counted against `reward.timeout_s`."""
 _HEADER = struct.Struct("!I")
-_CHILD = "from app.reward_pool import child_main; child_main()"
+_CHILD = "from app.rewards.pool import child_main; child_main()"
 _PR_SET_PDEATHSIG = 1
 OUTPUT_CAP_BYTES = 4096
 """What is kept (and logged) of one reward's output, stdout and stderr together; the rest is dropped."""
@@ -353,7 +353,7 @@ def _limit_memory(max_mb: int | None) -> None:
     RLIMIT_DATA, not RLIMIT_AS: it counts the heap and private writable mappings (what a reward allocates),
     not the address space of the shared libraries a reward's imports map (torch's are gigabytes). An
     allocation past it fails with MemoryError. Programs the code sandbox starts from here inherit it,
-    under their own, smaller RLIMIT_AS (app.sandbox)."""
+    under their own, smaller RLIMIT_AS (app.rewards.sandbox)."""
     if max_mb is None:
         return
     limit = int(max_mb) * 2**20

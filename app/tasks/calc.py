@@ -120,7 +120,7 @@ def ensure_builtin_calc(cache_dir: str | Path, seed: int = 0, warmup_steps: int 
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from app.tiny import build_tokenizer, model_config, save_built
+    from app.tasks.tiny import build_tokenizer, model_config, save_built
 
     log.info("building the embedded tiny calculator model under %s", root)
     root.mkdir(parents=True, exist_ok=True)
