@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from app.config import REFERENCE_PATH, ConfigError, load_config, reference_markdown
-from app.log_filters import configure_logging
+from app.infra.log_filters import configure_logging
 
 log = logging.getLogger("app")
 
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(OmegaConf.to_yaml(cfg))
         return 0
     _quiet_progress_bars()
-    from app.checkpoint import CheckpointError
     from app.driver import run
-    from app.resume_check import ResumeMismatch
+    from app.trainer.checkpoint import CheckpointError
+    from app.trainer.resume_check import ResumeMismatch
 
     try:
         result = run(cfg, resume_with_new_data=args.resume_with_new_data)

@@ -57,7 +57,7 @@ LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 # mode is one file plus one registry line there, and selectable here with no edit): `validate` imports the
 # registry module to check the value (torch, never Ray or vLLM), so `import app.config` itself stays light.
 REGISTRIES: dict[str, tuple[str, str]] = {
-    "algorithm.correction": ("app.losses", "LOSSES"),
+    "algorithm.correction": ("app.trainer.losses", "LOSSES"),
     "algorithm.mode": ("app.trainer.sources", "SOURCES"),
     "env.name": ("app.envs", "ENVIRONMENTS"),
 }
@@ -332,7 +332,7 @@ class TrainConfig(_Section):
     an H100), unless the driver's environment sets the variable; `""`: torch's default; anything else is
     passed as is. (The CUDA-IPC push allocates its staging buffer outside expandable segments.)"""
     compile: Literal["auto", "on", "off"] = "auto"
-    """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/compiled.py: fewer passes over
+    """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/trainer/compiled.py: fewer passes over
     the activations, fewer kernel launches, less memory saved for backward). `auto`: on with GPUs, off on CPU
     (compiling costs more than it saves on small CPU runs)."""
     lr: float = 1e-3
@@ -495,7 +495,7 @@ class SyncConfig(_Section):
     backend: Backend = "auto"
     """Process-group backend of the weight group: gloo on CPU, nccl on GPU."""
     transport: str = "auto"
-    """Weight transport (app/sync/transport.py registry): `auto` (`ipc` when trainer and replicas share one
+    """Weight transport (app/weights/transport.py registry): `auto` (`ipc` when trainer and replicas share one
     GPU, else `broadcast`), `broadcast` (one broadcast per bucket), `ipc` (CUDA IPC handles, trainer and
     replicas on the same GPU), or a
     `pkg.module:Name` whose module registers or defines it (imported by the trainer and every vLLM worker)."""
@@ -572,7 +572,7 @@ class EnvConfig(_Section):
     agent: str = ""
     """With env.name=openai_agent: the agent function `pkg.module:function`, `async def agent(base_url, row)`:
     it chats through an OpenAI client at `base_url` (one session per sample) and returns the sample's reward
-    (a number, or a dict with `score`); the session becomes the trajectory (app/rollout/agent_session.py)."""
+    (a number, or a dict with `score`); the session becomes the trajectory (app/envs/agent/session.py)."""
     agent_timeout_s: float = 120.0
     """Deadline of one agent session; an agent that raises or misses it scores reward.on_error."""
     http_port: int = 0
@@ -625,7 +625,7 @@ class RefConfig(_Section):
 class ResourcesConfig(_Section):
     """Shares of the cluster by role. Each value is a count (>= 1) or a fraction of the cluster's total
     (< 1); 0 leaves the role's own per-worker settings as they are. Resolved against the Ray cluster at
-    start (app/resources.py), which refuses a plan that does not fit."""
+    start (app/infra/resources.py), which refuses a plan that does not fit."""
 
     rollout_gpus: float = 0.0
     """GPUs of the rollout role, split evenly over rollout.max_replicas (sets rollout.replica_gpus)."""
@@ -724,13 +724,13 @@ class RelayConfig(_Section):
     ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str = "~/relay-runs"
     """Where run outputs go (run folder, checkpoints, the default MLflow store): an absolute path that outlives
-    a Ray job (a relative one inside a job's working-directory copy is refused: app/storage.py); on several
+    a Ray job (a relative one inside a job's working-directory copy is refused: app/infra/storage.py); on several
     nodes, a path on storage every node mounts."""
     seed: int = 0
     """Global seed (model build, sampling seeds)."""
     log_level: LogLevel = "INFO"
     """Python log level of the driver and the roles (Ray workers get it as RELAY_LOG_LEVEL; roles apply it
-    with app/log_filters.py `configure_logging()`). vLLM's own level is VLLM_LOGGING_LEVEL (WARNING)."""
+    with app/infra/log_filters.py `configure_logging()`). vLLM's own level is VLLM_LOGGING_LEVEL (WARNING)."""
 
     _RANGES: ClassVar[dict[str, Range]] = {"seed": _SEED}
 
@@ -906,7 +906,7 @@ def _check_reward_fn(key: str, spec: str) -> None:
 def _check_agent(key: str, spec: str) -> None:
     """Resolve `env.agent` now, so a typo fails before Ray, Serve and vLLM start (the rollouter resolves it
     again where it runs)."""
-    from app.rollout.agent_session import resolve_agent
+    from app.envs.agent.session import resolve_agent
 
     try:
         resolve_agent(spec)

@@ -2,7 +2,7 @@
 
     data     the prompt files (or the embedded task) -> rows; the rollouter streams them through Ray Data
     rollout  a Serve deployment of vLLM replicas; each registers with the weight hub
-    train    a TorchTrainer whose workers run app/train_worker.py's loop (GRPO on FSDP2, weight pushes)
+    train    a TorchTrainer whose workers run app/train_loop.py's loop (GRPO on FSDP2, weight pushes)
     track    one MLflow run: params and config here, metrics from trainer rank 0
 
 Everything started here is stopped here, also when the run fails.
@@ -23,7 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from app.config import flatten, to_container
-from app.data import PromptRow, check_file, load_rows
+from app.rollout.prompt_files import PromptRow, check_file, load_rows
 
 log = logging.getLogger("app.driver")
 
@@ -51,17 +51,17 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
     root = None
     model_path = cfg.model.path
     if model_path == "builtin:tiny" or "builtin:arith" in (cfg.data.train, cfg.data.val):
-        from app.tiny import ensure_builtin
+        from app.tasks.tiny import ensure_builtin
 
         root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
     if model_path == "builtin:tiny":
         model_path = str(root / "model")
     elif model_path == "builtin:tiny-calc":
-        from app.calc_task import ensure_builtin_calc
+        from app.tasks.calc import ensure_builtin_calc
 
         model_path = str(ensure_builtin_calc(cfg.model.cache_dir, seed=cfg.seed) / "model")
     elif model_path == "builtin:tiny-code":
-        from app.tiny import ensure_builtin_code
+        from app.tasks.tiny import ensure_builtin_code
 
         model_path = str(ensure_builtin_code(cfg.model.cache_dir, seed=cfg.seed) / "model")
     elif not Path(model_path, "config.json").exists():
@@ -74,11 +74,11 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         if spec == "builtin:arith":
             return str(root / f"{split}.jsonl")
         if spec == "builtin:code":
-            from app.code_task import ensure_code_task
+            from app.tasks.code import ensure_code_task
 
             return str(ensure_code_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
         if spec == "builtin:calc":
-            from app.calc_task import ensure_calc_task
+            from app.tasks.calc import ensure_calc_task
 
             return str(ensure_calc_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
         if spec.startswith("builtin:"):
@@ -113,13 +113,13 @@ def start_ray(cfg: DictConfig) -> bool:
     """Connect to (or start) Ray; returns True if this call started a local cluster."""
     import ray
 
-    from app import ray_compat
+    from app.infra import ray_compat
 
     if ray.is_initialized():
         return False
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "RELAY_LOG_LEVEL": cfg.log_level}
     # Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for roles that asked for no GPU (they would see every GPU);
-    # this makes it hide the GPUs from them (app/resources.py also hides them per role)
+    # this makes it hide the GPUs from them (app/infra/resources.py also hides them per role)
     env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"
     if os.environ.get(
         "TQDM_DISABLE"
@@ -141,8 +141,8 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
     """One training run. Returns the RESULT record; raises if the run failed. With `train.resume`, the
     checkpoint is verified and compared with this run's model and data before Ray starts
     (`resume_with_new_data`: a change of data.train is allowed, the checkpoint's queue dropped)."""
-    from app import checkpoint, resume_check
     from app.serve_rollout import app_name
+    from app.trainer import checkpoint, resume_check
 
     t0 = time.time()
     picked = checkpoint.select(cfg.train.resume) if cfg.train.resume else None  # fails early, clearly
@@ -172,7 +172,7 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
 
 @dataclass
 class _Run:
-    """One run's name, folder (locked while the run lives: app/run_lock.py) and MLflow run."""
+    """One run's name, folder (locked while the run lives: app/infra/run_lock.py) and MLflow run."""
 
     name: str
     dir: Path
@@ -190,10 +190,10 @@ class _Run:
 
 
 def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
-    """The run folder under `run_dir` (durable: app/storage.py) with its config, and its MLflow run."""
-    from app.run_lock import RunLock, new_run_name
-    from app.storage import resolve_run_dir
-    from app.tracking import Tracker, default_uri
+    """The run folder under `run_dir` (durable: app/infra/storage.py) with its config, and its MLflow run."""
+    from app.infra.run_lock import RunLock, new_run_name
+    from app.infra.storage import resolve_run_dir
+    from app.infra.tracking import Tracker, default_uri
 
     name = cfg.tracking.run_name or new_run_name()  # unique also for runs started in the same second
     root = resolve_run_dir(cfg.run_dir)
@@ -227,9 +227,9 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
     wait forever or cannot work."""
     import ray
 
-    from app.resources import auto_transport, check_nccl_devices, check_nodes, check_placement
-    from app.resources import check as check_resources
-    from app.resources import resolve as resolve_resources
+    from app.infra.resources import auto_transport, check_nccl_devices, check_nodes, check_placement
+    from app.infra.resources import check as check_resources
+    from app.infra.resources import resolve as resolve_resources
 
     cluster = ray.cluster_resources()
     shares = resolve_resources(cfg, cluster)  # resources.* shares -> per-role settings
@@ -254,20 +254,20 @@ def _start_roles(
     config with the resources resolved, and the hub's, the control's and the rollouter's handles.
 
     CPU replicas start while the rollouter reads the data and the trainer starts: the trainer's first push
-    waits for the first replica (app/sync/trainer.py), and `watch` ends the run at once where the
+    waits for the first replica (app/sync.py), and `watch` ends the run at once where the
     deployment fails to start. GPU replicas start before the trainer (vLLM measures the free memory)."""
     import ray
 
-    from app import ray_compat
-    from app.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, build_app
-    from app.sync.actors import start_sync_actors
+    from app.infra import ray_compat
+    from app.rollout.rollouter import Rollouter, rollouter_name
+    from app.serve_rollout import app_name, build_app
+    from app.weights.actors import NAMESPACE, start_sync_actors
 
     cfg = _plan_resources(cfg)
     hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
     agents = cfg.env.name == "openai_agent"  # agent code drives rollouts through the OpenAI endpoint
     if agents:
-        from app.openai_api import deploy_frontend, start_http
+        from app.envs.agent.openai_api import deploy_frontend, start_http
 
         cfg = OmegaConf.merge(
             cfg, {"env": {"http_port": start_http(cfg.env.http_port)}}
@@ -345,12 +345,12 @@ def failure_reason(app_status: Any) -> str:
 
 
 def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | None) -> Any:
-    """The TorchTrainer whose workers run app/train_worker.py's loop."""
+    """The TorchTrainer whose workers run app/train_loop.py's loop."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.resources import custom, trainer_env
-    from app.train_worker import train_worker
+    from app.infra.resources import custom, trainer_env
+    from app.train_loop import train_worker
 
     t = cfg.train
     return TorchTrainer(
@@ -374,7 +374,7 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
         ),
         torch_config=TorchConfig(
             backend=None if t.backend == "auto" else t.backend,
-            # a push retries within train.timeout_s - 2 x sync.timeout_s (app/sync/trainer.py): it fits
+            # a push retries within train.timeout_s - 2 x sync.timeout_s (app/sync.py): it fits
             timeout_s=int(t.timeout_s + cfg.sync.timeout_s + 60),
         ),
         run_config=RunConfig(
@@ -394,8 +394,8 @@ def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float, watch: Call
     (who joined when, at which version, who left); a stall raises StallError with the watchdog's report."""
     import ray
 
-    from app.watchdog import REPORT as STALL_REPORT
-    from app.watchdog import StallError, summarize
+    from app.infra.watchdog import REPORT as STALL_REPORT
+    from app.infra.watchdog import StallError, summarize
 
     stall = run.dir / STALL_REPORT
 
@@ -510,9 +510,12 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     import ray
     from ray import serve
 
-    from app import ray_compat
-    from app.rollouter import rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, control_name, hub_name
+    from app.infra import ray_compat
+    from app.rollout.rollouter import rollouter_name
+    from app.serve_rollout import app_name
+    from app.weights.actors import NAMESPACE
+    from app.weights.control import control_name
+    from app.weights.hub import hub_name
 
     if started:
         try:
@@ -526,7 +529,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     except Exception as e:
         log.warning("deleting the rollout app: %s", e)
     if cfg.env.name == "openai_agent":
-        from app.openai_api import frontend_app_name
+        from app.envs.agent.openai_api import frontend_app_name
 
         try:
             ray_compat.delete_app(frontend_app_name(cfg.ray.name), wait=False)

@@ -1,6 +1,6 @@
 """Rollout: a Ray Serve deployment whose replicas each own a vLLM AsyncLLM.
 
-Each replica's weight-group membership is app/sync/replica.py's `ReplicaSync`: it registers with the weight
+Each replica's weight-group membership is app/sync.py's `ReplicaSync`: it registers with the weight
 hub and long-polls it (join a new epoch, or receive a push, load it, set the engine's weight version and
 acknowledge with checksums), and answers the run control's abort requests. Generation requests are token-in/token-out and
 return, per sample, the token ids, the sampled tokens' log-probs, the finish reason and the policy version
@@ -24,21 +24,19 @@ from typing import Any
 
 from ray import serve
 
-from app import ray_compat
+from app.infra import ray_compat
+from app.infra.resources import custom, memory_share, role_env
 from app.records import GenerateRequest, GenerateResponse, Sample
-from app.resources import custom, memory_share, role_env
-from app.sync.actors import NAMESPACE
-from app.sync.control import control_name
-from app.sync.hub import hub_name
-from app.sync.replica import ReplicaSync
+from app.sync import ReplicaSync
 from app.vllm import engine as vla
+from app.weights.actors import NAMESPACE
+from app.weights.control import control_name
+from app.weights.hub import hub_name
 
 log = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "rollout"
-# NAMESPACE, hub_name and control_name are app.sync names, re-exported for existing callers
-__all__ = ["DEPLOYMENT_NAME", "NAMESPACE", "RolloutServer", "app_name", "build_app"]
-__all__ += ["control_name", "hub_name"]
+__all__ = ["DEPLOYMENT_NAME", "RolloutServer", "app_name", "build_app"]
 
 
 def app_name(prefix: str) -> str:
@@ -70,7 +68,7 @@ class RolloutServer:
         self.hub = ray.get_actor(hub, namespace=NAMESPACE)
         self.generated_tokens = 0
         self.ongoing = 0
-        from app.metrics import replica_metrics
+        from app.infra.metrics import replica_metrics
 
         self.metrics = replica_metrics()
         self.tags = {"replica": self.replica_id}

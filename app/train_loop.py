@@ -1,578 +1,356 @@
-"""Training: GRPO on a model sharded with FSDP2, run by Ray Train's TorchTrainer.
+"""The trainer loop, as the algorithm reads: get a batch, train, push the new version, log, checkpoint; and
+`train_worker`, the entry point of every Ray Train worker (build the trainer's pieces, restore or start, run
+the loop, `finish`).
 
-`Learner` holds the sharded policy (and, with a KL penalty, a frozen sharded reference) and does one
-optimizer step on a `Batch` with the loss `algorithm.correction` picks from `app.losses.LOSSES`; it needs
-torch alone (the GPU tier runs it without Ray). The per-worker loop around it is in app/trainer/.
+    sync          batch t is generated with weights t, trained, then t+1 is pushed.
+    one_step_off  batch t+1 is generated (with weights t) while batch t trains; the push of t+1 waits
+                  for that generation to finish, so every trained token is exactly one version old.
+    fully_async   groups stream in while the trainer trains; pushes every `algorithm.sync_every` steps.
+
+How batches are made and when weights are pushed or validated differ by `algorithm.mode`; the loop asks the
+mode's `BatchSource` (app/trainer/sources/) and never branches on the mode itself. Every rank runs this in
+lock-step: rank 0 fetches the batch and shares it, every rank trains its share and takes part in each push.
+The loop's parts are in app/trainer/ (the learner: app/trainer/learner.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import time
-import types
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from app import grpo
-from app.losses import LOSSES, LossInputs
-from app.packing import collate_packed, packed_model_kwargs, plan_micro_batches, to_device
-from app.records import Batch, Group
-from app.rollout.episode import env_metrics
+from app.records import Batch
+from app.sync import TrainerSync
+from app.trainer.accounting import TrainedLog
+from app.trainer.comm import Actors, bcast
+from app.trainer.learner import Learner
+from app.trainer.monitor import Monitor
+from app.trainer.parts import Trainer
+from app.trainer.saving import save_checkpoint
+from app.trainer.sources import SOURCES
+from app.trainer.state import RunState, restore_or_start
+from app.trainer.step_metrics import PROMETHEUS, StepTimings, step_metrics
+from app.trainer.validation import Validator
+from app.weights.records import PushStats
 
-log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------- model building
-
-
-def build_fsdp_model(
-    path: str,
-    dtype: str,
-    device: torch.device,
-    activation_checkpointing: bool = False,
-    train: bool = True,
-    *,
-    packed: bool = False,
-    reshard_after_forward: bool = True,
-    reduce_dtype: str = "float32",
-    compile_layers: bool = False,
-) -> torch.nn.Module:
-    """Load an HF causal LM and shard it with FSDP2: one `fully_shard` per decoder layer, then the root.
-
-    Parameters are kept in float32; with `dtype=bfloat16` compute runs in bf16 and gradients are reduced in
-    `reduce_dtype`. `packed` routes attention through app/packing.py (packed micro-batches); `compile_layers`
-    compiles the layers' RMSNorm and MLP (app/compiled.py). The model gets
-    a `relay_scored_logprobs` method (see `scored_logprobs`), registered as an FSDP2 forward method so that
-    the root's parameters (embedding, final norm, output embedding) are gathered while it runs.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if packed:
-        from app.packing import enable_packed_attention
-
-        enable_packed_attention(model)
-    if compile_layers:
-        from app.compiled import compile_layers as compile_norms_and_mlps
-
-        compile_norms_and_mlps(model)
-        model.relay_compiled = True  # the chunked log-probs too (grpo.chunked_token_logprobs(fused=True))
-    if activation_checkpointing and train:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    model.relay_scored_logprobs = types.MethodType(_scored_forward, model)
-    mp = None
-    if dtype == "bfloat16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))
-    kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
-    if dist.is_initialized():
-        from torch.distributed.device_mesh import init_device_mesh
-
-        # the mesh on the configured device type: FSDP2's default mesh is CUDA whenever a GPU is visible
-        kw["mesh"] = init_device_mesh(device.type, (dist.get_world_size(),))
-        for layer in _decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
-        fully_shard(model, **kw)
-        register_fsdp_forward_method(model, "relay_scored_logprobs")
-    if not train:
-        model.eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-    return model
+log = logging.getLogger("app.train")
 
 
-def _reshard(model: torch.nn.Module) -> None:
-    """Free every FSDP2 module's gathered parameters (no-op for modules that are sharded already)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layers at model.model.layers to shard")
-    return list(layers)
-
-
-def param_name(name: str) -> str:
-    """HF parameter name as vLLM's loader expects it (wrappers removed)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
-
-
-# ---------------------------------------------------------------- batches to tensors
-
-
-@dataclass
-class Row:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    behaviour_logprobs: list[float]
-    advantage: float
-    versions: list[int]
-    ref_logprobs: list[float] | None = None  # from the reference workers (ref.workers > 0)
-    loss_mask: list[int] | None = None  # 0 on environment tokens of a multi-turn trajectory
-
-    def mask(self) -> torch.Tensor:
-        """1 on the response tokens the loss sees (model tokens), 0 on environment tokens."""
-        if self.loss_mask is None:
-            return torch.ones(len(self.response_ids), dtype=torch.float32)
-        return torch.tensor(self.loss_mask, dtype=torch.float32)
-
-    @property
-    def loss_tokens(self) -> int:
-        return len(self.response_ids) if self.loss_mask is None else int(sum(self.loss_mask))
+def run(t: Trainer, st: RunState) -> None:
+    """Train from `st` until `train.steps`, a stop request or the end of the data; then `finish`."""
+    begin(t, st)
+    steps = t.cfg.train.steps
+    for step in range(st.step + 1, steps + 1):  # 1-based: the step about to be trained
+        t0 = time.perf_counter()
+        t.monitor.phase(f"waiting for {t.cfg.train.batch_groups} finished groups for step {step}")
+        batch, st.stop = next_batch(t, st, more=step < steps)
+        if not batch.groups:
+            settle_filtered(t, st.step, batch)
+            log.info("stopping after %d steps: %s", st.step, st.stop)
+            break
+        wait_s = time.perf_counter() - t0
+        stats, train_s, overlap_s = train(t, st, batch, step)
+        last = step == steps or bool(st.stop)
+        push = push_weights(t, st, step, last)
+        timings = StepTimings(
+            wait_s=wait_s, overlap_wait_s=overlap_s, train_s=train_s, step_s=time.perf_counter() - t0
+        )
+        report(t, st, step, last, batch, stats, timings, push)
+        st.step = step
+        t.monitor.step_done(step)
+        if st.stop:
+            log.warning("stopping cleanly after step %d of %d: %s", step, steps, st.stop)
+            break
+        if t.cfg.train.save_every and step % t.cfg.train.save_every == 0 and step < steps:
+            save_checkpoint(t, st, False, {"step": step, "weight_version": st.version})
+    finish(t, st)
 
 
-def flatten_batch(batch: Batch, normalize_std: bool) -> list[Row]:
-    """GRPO advantages per group, then one row per sample (groups kept in order)."""
-    rows: list[Row] = []
-    for g in batch.groups:
-        rewards = torch.tensor([[s.reward for s in g.samples]], dtype=torch.float32)
-        adv = grpo.group_advantages(rewards, normalize_std=normalize_std)[0].tolist()
-        for s, a in zip(g.samples, adv, strict=True):
-            if not s.token_ids:
-                continue
-            rows.append(
-                Row(g.prompt_ids, s.token_ids, s.logprobs, a, s.versions, s.ref_logprobs, s.loss_mask)
+def begin(t: Trainer, st: RunState) -> None:
+    """Push the trainer's weights (the replicas then hold exactly them, verified by checksum), validate them
+    unless restored with a validation, start the mode's stream and the watchdog. The rollout replicas start
+    beside the trainer: the first push waits for one."""
+    t.monitor.phase("waiting for the first rollout replica to register")
+    waited = t.sync.wait_for_rollout(t.cfg.rollout.join_timeout_s)
+    if waited > 1:
+        log.info("the first rollout replica registered after %.1fs", waited)
+    t.sync.push(st.version)
+    st.pushed = st.version
+    if t.lead:
+        if st.restored_from is None or st.val_last is None:
+            st.val_first = st.val_last = t.validator.run(st.version, st.step)
+        from app.infra.ray_compat import progress_bar
+
+        t.bar = progress_bar(total=t.cfg.train.steps, desc="relay train")
+        if st.step:
+            t.bar.update(st.step)
+        t.source.start()
+    t.monitor.start(st.restored_from["step"] if st.restored_from else None)
+    st.t_run = st.t_loop_end = time.perf_counter()  # benchmarks: trained tokens per second of the loop
+
+
+def next_batch(t: Trainer, st: RunState, more: bool) -> tuple[Batch, str | None]:
+    """Rank 0's next batch and the reason to stop after it (if any), on every rank.
+
+    While rank 0 waits for it (in a thread), every rank learns once a second whether a replica is waiting to
+    join the weight group, and then pushes it the current weights (collective). A replica started mid-run
+    serves only once it holds them, and the next push otherwise comes after the next step: where no other
+    replica is left to generate that step's groups (all died; their replacements are starting), nothing
+    else would ever push them, and the run would wait out its deadlines."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-batch") as pool:
+        fut = pool.submit(_fetch_batch, t, st.version, more) if t.lead else None
+        while (state := bcast(_wait_state(t, fut))) != "done":
+            if state == "join":
+                t.monitor.phase(f"pushing version {st.version} to a replica that joined")
+                t.sync.push(st.version)
+                if st.pushed != st.version:
+                    st.pushed = st.version
+                    if t.lead:
+                        t.source.on_push(st.version)
+        return bcast(fut.result() if fut is not None else None)
+
+
+def _fetch_batch(t: Trainer, version: int, more: bool) -> tuple[Batch, str | None]:
+    import ray
+
+    batch = t.source.next_batch(version, more)
+    stop = ray.get(t.actors.control.stop_reason.remote(), timeout=30)
+    if not batch.groups:
+        stop = "the training data is exhausted (data.epochs) and every group was trained"
+    return batch, stop
+
+
+def _wait_state(t: Trainer, fut: Any) -> str | None:
+    """Rank 0, after waiting up to a second for its batch: `done` (or failed: raised after the loop), `join`
+    (a replica waits to join the weight group) or `wait`. Other ranks: None (they take rank 0's)."""
+    import concurrent.futures
+
+    import ray
+
+    if fut is None:
+        return None
+    try:
+        fut.result(timeout=1.0)
+        return "done"
+    except concurrent.futures.TimeoutError:
+        return "join" if ray.get(t.actors.hub.joiners.remote(), timeout=30) else "wait"
+    except Exception:
+        return "done"
+
+
+def train(t: Trainer, st: RunState, batch: Batch, step: int) -> tuple[dict[str, float], float, float]:
+    """One optimizer step on `batch`, then wait for what must end before a push. Returns the step's stats,
+    the training seconds and the seconds waited after training."""
+    t1 = time.perf_counter()
+    t.monitor.phase(f"training step {step}")
+    stats = t.learner.step(batch)
+    train_s = time.perf_counter() - t1
+    if t.lead:  # trained: these groups leave the checkpoint state
+        t.source.ack(batch)
+    count_skipped(t, st, stats, batch, step)
+    if t.lead:
+        t.source.before_push()
+    st.version += 1
+    st.tokens_trained += batch.num_tokens
+    return stats, train_s, time.perf_counter() - t1 - train_s
+
+
+def settle_filtered(t: Trainer, step: int, batch: Batch) -> None:
+    """Rank 0, a batch with nothing left to train (the data ran out): the groups dynamic sampling dropped
+    while making it still leave the checkpoint state and enter the accounting, as of the last step."""
+    if t.lead and batch.filtered:
+        t.source.ack(batch)
+        t.accounting.append_filtered(step, batch.filtered)
+
+
+def count_skipped(t: Trainer, st: RunState, stats: dict[str, float], batch: Batch, step: int) -> None:
+    """A step whose loss or gradient was non-finite changed nothing: count it, keep its prompt ids, and end
+    the run past `train.max_skipped_steps`."""
+    if stats["train/skipped_steps"]:
+        st.skipped_total += 1
+        bad = t.run_dir / "nonfinite" / f"step_{step:06d}.json"
+        if t.lead:
+            bad.parent.mkdir(parents=True, exist_ok=True)
+            rec = {"step": step, "grad_norm": stats["actor/grad_norm"], "loss": stats["loss/policy"]}
+            bad.write_text(json.dumps({**rec, "uids": [g.uid for g in batch.groups]}))
+        log.warning(
+            "step %d: non-finite loss or gradient, update skipped (%d so far); prompt ids in %s",
+            step,
+            st.skipped_total,
+            bad,
+        )
+        limit = t.cfg.train.max_skipped_steps
+        if st.skipped_total > limit:
+            raise FloatingPointError(
+                f"{st.skipped_total} steps had a non-finite loss or gradient, over train.max_skipped_steps="
+                f"{limit}; the prompt ids of each such batch are in {bad.parent}. Lower train.lr, check the "
+                "reward and data, or raise the limit"
             )
-    return rows
+    stats["train/skipped_steps"] = float(st.skipped_total)
 
 
-def collate(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded input ids plus response-aligned targets: position t predicts token t+1.
-
-    Grids (`targets`, `mask`, `old`, `adv`, `ref`) are ``[B, W-1]``; `score_idx`, `score_targets` and
-    `grid_idx` list the response positions for `scored_logprobs` (flat indices into the ``[B, W]`` hidden
-    states and into the grid).
-    """
-    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
-    b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    targets = torch.zeros((b, width - 1), dtype=torch.long)
-    mask = torch.zeros((b, width - 1), dtype=torch.float32)
-    old = torch.zeros((b, width - 1), dtype=torch.float32)
-    adv = torch.zeros((b, width - 1), dtype=torch.float32)
-    has_ref = bool(rows) and all(r.ref_logprobs is not None for r in rows)
-    ref = torch.zeros((b, width - 1), dtype=torch.float32)
-    resp = torch.zeros((b, width - 1), dtype=torch.bool)  # every response position (scored)
-    for i, r in enumerate(rows):
-        seq = list(r.prompt_ids) + list(r.response_ids)
-        n, p = len(seq), len(r.prompt_ids)
-        ids[i, :n] = torch.tensor(seq)
-        attn[i, :n] = 1
-        targets[i, : n - 1] = torch.tensor(seq[1:])
-        sl = slice(p - 1, n - 1)
-        mask[i, sl] = r.mask()
-        resp[i, sl] = True
-        old[i, sl] = torch.tensor(r.behaviour_logprobs, dtype=torch.float32)
-        adv[i, sl] = r.advantage
-        if has_ref:
-            ref[i, sl] = torch.tensor(r.ref_logprobs, dtype=torch.float32)
-    grid_idx = resp.flatten().nonzero().squeeze(1)  # b * (W-1) + t, on the host
-    out = dict(input_ids=ids, attention_mask=attn, targets=targets, mask=mask, old=old, adv=adv)
-    out.update(score_idx=grid_idx + grid_idx // (width - 1), score_targets=targets.flatten()[grid_idx])
-    out["grid_idx"] = grid_idx
-    if has_ref:
-        out["ref"] = ref
-    return to_device(out, device)
+def push_weights(t: Trainer, st: RunState, step: int, last: bool) -> PushStats | None:
+    """Push the new version if the mode pushes after this step (collective)."""
+    push = None
+    if t.source.should_push(step, last):
+        t.monitor.phase(f"pushing version {st.version}")
+        push = t.sync.push(st.version)
+        st.pushed = st.version
+        if t.lead:
+            t.source.on_push(st.version)
+    st.t_loop_end = time.perf_counter()
+    return push
 
 
-def response_logprobs(
-    model: torch.nn.Module, mb: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference path: full float32 logits of a padded micro-batch, then `grpo.token_logprobs`."""
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits[:, :-1].float()
-    return grpo.token_logprobs(logits, mb["targets"]), logits
+def report(
+    t: Trainer,
+    st: RunState,
+    step: int,
+    last: bool,
+    batch: Batch,
+    stats: dict[str, float],
+    timings: StepTimings,
+    push: PushStats | None,
+) -> None:
+    """Rank 0: metrics to the tracker and Prometheus, the accounting log, validation, progress."""
+    if not t.lead:
+        return
+    m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step)
+    t.tracker.metrics(m, step)
+    t.accounting.append(step, st.version - 1, batch.groups)
+    t.accounting.append_filtered(step, batch.filtered)
+    for k, gauge in PROMETHEUS.items():
+        if k in m:
+            t.prom.set(gauge, m[k])
+    val = t.source.validate(t.validator, step, st.version, st.pushed, last)
+    st.val_last = st.val_last if val is None else val
+    t.bar.update(1)
+    t.bar.set_description(f"relay v{st.version} reward {m['reward/mean']:.2f} val {st.val_last:.2f}")
+    log.info(
+        "step %d: reward %.3f loss %.4f gen %.2fs train %.2fs sync %.3fs staleness %.2f",
+        step,
+        m["reward/mean"],
+        m["loss/policy"],
+        batch.generate_s,
+        timings.train_s,
+        m.get("sync/time_s", 0.0),
+        m["staleness/mean"],
+    )
 
 
-def _scored_forward(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    score_idx: torch.Tensor,
-    score_targets: torch.Tensor,
-    chunk_tokens: int,
-    with_entropy: bool,
-    **model_kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Base model forward, then the output head on the scored positions only, chunked (no full logits).
-
-    Bound to the model as `relay_scored_logprobs` (an FSDP2 forward method: the output embedding, tied or
-    not, is gathered while it runs and its gradient reduced like any other).
-    """
-    hidden = model.base_model(input_ids=input_ids, **model_kwargs).last_hidden_state
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, score_idx)
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError("chunked log-probs assume an output embedding without bias")
-    fused = getattr(model, "relay_compiled", False)
-    return grpo.chunked_token_logprobs(h, head.weight, score_targets, chunk_tokens, with_entropy, fused)
-
-
-def scored_logprobs(
-    model: torch.nn.Module, mb: dict[str, Any], chunk_tokens: int, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token log-probs (and entropy) of a micro-batch's response tokens, laid out on its grid (`mb["mask"]`'s
-    shape; 0 elsewhere). Works on padded (`collate`) and packed (`app.packing.collate_packed`) micro-batches,
-    on FSDP2 models from `build_fsdp_model` and on plain HF models."""
-    kw = packed_model_kwargs(mb) if "packed" in mb else {"attention_mask": mb["attention_mask"]}
-    fwd = getattr(model, "relay_scored_logprobs", None) or types.MethodType(_scored_forward, model)
-    logp, ent = fwd(mb["input_ids"], mb["score_idx"], mb["score_targets"], chunk_tokens, with_entropy, **kw)
-    mask = mb["mask"]
-
-    def grid(v: torch.Tensor) -> torch.Tensor:
-        return (
-            torch.zeros(mask.numel(), dtype=v.dtype, device=v.device)
-            .index_copy(0, mb["grid_idx"], v)
-            .view_as(mask)
-        )
-
-    return grid(logp), (grid(ent) if ent is not None else None)
+def finish(t: Trainer, st: RunState) -> None:
+    """Stop generating (in-flight groups kept as partial rollouts), push and validate the final weights,
+    save them as an HF model, and checkpoint the whole pipeline: `--resume` continues from there."""
+    t.monitor.phase("finishing: final push, validation and checkpoint")
+    frozen = t.source.snapshot(True) if t.lead else None
+    if t.lead:
+        val = t.source.stop(t.validator, st.step)
+        st.val_last = st.val_last if val is None else val
+    if st.pushed != st.version:  # the data ran out between pushes: the replicas get the final weights too
+        t.sync.push(st.version)
+        st.pushed = st.version
+    if t.lead and t.validator.validated != st.version:
+        st.val_last = t.validator.run(st.version, st.step)
+    final = t.run_dir / "final"
+    t.learner.save_hf(str(final), t.model_path)
+    if t.lead:
+        publish(t, final)
+    summary = summarize(st, final)
+    summary["checkpoint_name"] = save_checkpoint(t, st, True, summary, frozen)
+    t.monitor.stop()
+    if t.lead:
+        (t.run_dir / "summary.json").write_text(json.dumps(summary))
 
 
-def row_values(mb: dict[str, Any], grid: torch.Tensor, i: int, row: Row) -> list[float]:
-    """Row `i`'s response values (one per response token) from a grid of `collate` or `collate_packed`."""
-    n = len(row.response_ids)
-    start = 0 if "packed" in mb else len(row.prompt_ids) - 1
-    return grid[i, start : start + n].tolist()
+def publish(t: Trainer, final: Path) -> None:
+    """Rank 0: the final model and the accounting log to the tracker (and its model registry)."""
+    t.tracker.artifact(str(final), "final_checkpoint")
+    if t.cfg.tracking.register_model:
+        t.tracker.register("final_checkpoint", t.cfg.tracking.register_model)
+    if t.accounting.path.exists():
+        t.tracker.artifact(str(t.accounting.path))
+    t.bar.close()
 
 
-# ---------------------------------------------------------------- the learner
-
-# token-weighted sums a step accumulates over micro-batches (then divided by the token count)
-_SUMS = ("loss", "kl", "entropy", "clipped", "tokens", "mismatch", "is_weight")
-
-
-class Learner:
-    """One optimizer step of GRPO on this rank's share of a batch (all ranks step in lock-step)."""
-
-    def __init__(self, cfg: Any, model_path: str, device: torch.device) -> None:
-        self.cfg, self.device = cfg, device
-        t = cfg.train
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.packed = t.micro_batch_tokens > 0
-        # the old path (padded, full logits) stays as it was, for comparison
-        self.reference_path = not self.packed and t.logprob_chunk_tokens == 0
-        on_gpu = device.type == "cuda"
-        build = dict(
-            packed=self.packed,
-            reshard_after_forward=t.reshard_after_forward,
-            reduce_dtype=t.reduce_dtype,
-            compile_layers=t.compile == "on" or (t.compile == "auto" and on_gpu),
-        )
-        # gather_once keeps the gathered layers through the step (resharded after its last backward)
-        self.gather_once = dist.is_initialized() and (
-            t.gather_once == "on" or (t.gather_once == "auto" and self.world == 1)
-        )
-        self.model = build_fsdp_model(
-            model_path,
-            cfg.model.dtype,
-            device,
-            t.activation_checkpointing,
-            **{**build, "reshard_after_forward": t.reshard_after_forward and not self.gather_once},
-        )
-        self.ref = None
-        if cfg.algorithm.kl_coef > 0 and cfg.ref.workers == 0:  # else the reference workers send them
-            self.ref = build_fsdp_model(model_path, cfg.model.dtype, device, train=False, **build)
-        fused = t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and on_gpu)
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=t.lr,
-            betas=tuple(t.betas),
-            weight_decay=t.weight_decay,
-            **({"fused": True} if fused else {"foreach": None}),
-        )
-        warm = max(0, t.warmup_steps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
-        )
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(model_path)
-        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
-        self.loss_fn = LOSSES[cfg.algorithm.correction]
-
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch` (collective: every rank calls it with the same batch).
-
-        Every rank runs the same number of forward/backward passes (FSDP2 collectives): a rank with fewer
-        micro-batches runs zero-weight passes on a copy of one row. Micro-batches are laid out and copied to
-        the device up front; metric sums stay on the device until the step ends (no host synchronisation
-        inside the micro-batch loop).
-        """
-        rows = flatten_batch(batch, self.cfg.algorithm.normalize_adv_std)
-        total_tokens = float(sum(r.loss_tokens for r in rows))
-        parts, n_micro = self._plan(rows)
-        mbs = [self.collate(p) for p in parts]
-        if len(mbs) < n_micro:
-            pool = [r for p in parts for r in p] or rows
-            filler = self.collate([min(pool, key=lambda r: len(r.prompt_ids) + len(r.response_ids))])
-        self.model.train()
-        sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64, device=self.device)  # _SUMS, is-weight max
-        for k in range(n_micro):
-            mb, weight = (mbs[k], 1.0) if k < len(mbs) else (filler, 0.0)
-            if self.gather_once:  # reduce-scatter and reshard only after the step's last backward
-                self.model.set_requires_gradient_sync(k == n_micro - 1)
-                self.model.set_reshard_after_backward(k == n_micro - 1)
-            got = self._micro_step(mb, weight, total_tokens, float(len(rows)))
-            sums[:-1] += got[:-1]
-            sums[-1] = torch.maximum(sums[-1], got[-1])
-        grad_norm = self._optimizer_step()
-        return self._step_metrics(self._reduce(sums), grad_norm, total_tokens)
-
-    def _plan(self, rows: list[Row]) -> tuple[list[list[Row]], int]:
-        """This rank's micro-batches and the number of passes every rank runs."""
-        t = self.cfg.train
-        if self.packed:
-            lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
-            plan = plan_micro_batches(lengths, self.world, t.micro_batch_tokens)
-            n_micro = max(1, max(len(p) for p in plan))
-            return [[rows[i] for i in mb] for mb in plan[self.rank]], n_micro
-        mine, mbs = rows[self.rank :: self.world], t.micro_batch_size
-        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world) / mbs))
-        return [
-            mine[k * mbs : (k + 1) * mbs] for k in range(n_micro) if mine[k * mbs : (k + 1) * mbs]
-        ], n_micro
-
-    def collate(self, rows: list[Row]) -> dict[str, Any]:
-        """A micro-batch on the device: packed (`train.micro_batch_tokens > 0`) or padded."""
-        if self.packed:
-            return collate_packed(rows, self.device, self.cfg.train.packed_attention)
-        return collate(rows, self.pad_id, self.device)
-
-    def logprobs(
-        self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token log-probs (and entropy, without gradient) on the micro-batch's grid."""
-        if not self.reference_path:
-            return scored_logprobs(model, mb, self.cfg.train.logprob_chunk_tokens, with_entropy)
-        logp, logits = response_logprobs(model, mb)
-        ent = None
-        if with_entropy:
-            with torch.no_grad():
-                ent = grpo.entropy_from_logits(logits)
-        return logp, ent
-
-    def _micro_step(
-        self, mb: dict[str, Any], weight: float, num_tokens: float, num_seqs: float
-    ) -> torch.Tensor:
-        """Forward and backward of one micro-batch; returns its metric sums (see _SUMS) and is-weight max,
-        as a device tensor."""
-        a = self.cfg.algorithm
-        logp, ent = self.logprobs(self.model, mb, with_entropy=self.cfg.train.log_entropy)
-        out = self.loss_fn(
-            LossInputs(logprobs=logp, behaviour_logprobs=mb["old"], advantages=mb["adv"], mask=mb["mask"]), a
-        )
-        kl_tok = torch.zeros_like(out.loss_tok)
-        if a.kl_coef > 0:
-            kl_tok = grpo.kl_penalty(logp, self._ref_logprobs(mb), a.kl_kind, a.max_log_ratio) * mb["mask"]
-        loss = grpo.aggregate(
-            out.loss_tok + a.kl_coef * kl_tok,
-            mb["mask"],
-            a.loss_agg,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-        )
-        # FSDP averages gradients over ranks; the denominators above are global, so scale back up
-        (loss * self.world * weight).backward()
-        with torch.no_grad():
-            m = mb["mask"] * weight
-            ent = torch.zeros_like(m) if ent is None else ent
-            per_tok = (out.loss_tok, kl_tok, ent, out.clipped.float(), torch.ones_like(m))
-            per_tok += ((logp - mb["old"]).abs(), out.is_weight)
-            vals = torch.stack([(x * m).sum() for x in per_tok])
-            w_max = torch.where(m > 0, out.is_weight, torch.zeros_like(m)).max()  # weights are >= 0
-            return torch.cat([vals, w_max[None]]).double()
-
-    def _ref_logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
-        if self.ref is not None:
-            with torch.no_grad():
-                return self.logprobs(self.ref, mb)[0]
-        if "ref" in mb:
-            return mb["ref"]
-        raise RuntimeError(
-            "algorithm.kl_coef > 0 with ref.workers > 0, but a trained sample has no reference "
-            "log-probs (the reference workers did not score it)"
-        )
-
-    def _optimizer_step(self) -> float:
-        """Clip, step (unless the gradient is non-finite) and zero; returns the gradient norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if math.isfinite(grad_norm):  # a non-finite step changes nothing, the schedule included
-            self.opt.step()
-            self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        """Sums over ranks (the last entry, the is-weight max, is a max), read back to the host once."""
-        if dist.is_initialized():
-            red, mx = sums[:-1].clone(), sums[-1:].clone()
-            dist.all_reduce(red)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-            sums = torch.cat([red, mx])
-        return sums.cpu()
-
-    def _step_metrics(self, sums: torch.Tensor, grad_norm: float, total_tokens: float) -> dict[str, float]:
-        s = dict(zip(_SUMS, sums.tolist(), strict=False))
-        tok = max(1.0, s["tokens"])
-        return {
-            "loss/policy": s["loss"] / tok,
-            "loss/kl": s["kl"] / tok,
-            "actor/entropy": s["entropy"] / tok,
-            "actor/clip_frac": s["clipped"] / tok,
-            "actor/grad_norm": grad_norm,
-            "actor/logprob_mismatch": s["mismatch"] / tok,
-            "actor/is_weight_mean": s["is_weight"] / tok,
-            "actor/is_weight_max": float(sums[-1]),
-            "actor/lr": self.sched.get_last_lr()[0],
-            "train/skipped_steps": 0.0 if math.isfinite(grad_norm) else 1.0,
-            "train/tokens": total_tokens,
-        }
-
-    # ------------------------------------------------------------ weights out
-
-    def named_params(self) -> dict[str, torch.Tensor]:
-        return {param_name(n): p for n, p in self.model.named_parameters()}
-
-    def push_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
-        dtype = self.cfg.model.dtype
-        return [(n, tuple(p.shape), dtype) for n, p in self.named_params().items()]
-
-    def gather(self, names: list[str]) -> list[torch.Tensor]:
-        """Full tensors for `names` (an FSDP2 all-gather per parameter: every rank calls this in lock-step).
-
-        The name -> parameter map is built once (a push calls this once per bucket; FSDP2 keeps its parameter
-        objects for the model's life and updates them in place): rebuilding it per bucket was most of a 1.5B
-        push's 23 ms gather on an H200."""
-        params = getattr(self, "_push_params", None)
-        if params is None:
-            params = self._push_params = self.named_params()
-        dtype = getattr(torch, self.cfg.model.dtype)
-        out = []
-        for n in names:
-            p = params[n].detach()
-            if not hasattr(p, "full_tensor"):
-                full = p
-            elif p.device_mesh.size() == 1:  # one rank holds it whole: no all-gather (about 50 us a tensor)
-                full = p.to_local()
-            else:
-                full = p.full_tensor()
-            out.append(full.to(dtype))
-        return out
-
-    def logprobs_of(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """The trainer's log-probs for a fixed completion (collective: call on every rank)."""
-        row = Row(prompt_ids, completion_ids, [0.0] * len(completion_ids), 0.0, [])
-        mb = self.collate([row])
-        self.model.eval()
-        with torch.no_grad():
-            logp, _ = self.logprobs(self.model, mb)
-        if self.gather_once:  # without a backward the layers stay gathered (no reshard after forward):
-            _reshard(self.model)  # free them now rather than hold them until the next step ends
-        return row_values(mb, logp, 0, row)
-
-    def save_hf(self, path: str, tokenizer_path: str) -> None:
-        """Full HF checkpoint (model + tokenizer) that vLLM can load; collective, rank 0 writes."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from transformers import AutoTokenizer
-
-        if dist.is_initialized():
-            sd = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        else:
-            sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if self.rank == 0:
-            from transformers import AutoModelForCausalLM
-
-            cfg_model = AutoModelForCausalLM.from_pretrained(tokenizer_path, dtype=torch.float32)
-            cfg_model.load_state_dict({param_name(k): v for k, v in sd.items()})
-            cfg_model.save_pretrained(path, safe_serialization=True)
-            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
-
-
-def staleness(batch: Batch, version: int) -> dict[str, float]:
-    """Per-token staleness (the trainer's version minus the version that sampled the token), its mean by
-    response-length decile (`staleness/len_decile_0` holds the shortest tenth), and how many groups span
-    more than one version (partial rollouts)."""
-    vals = [version - v for g in batch.groups for s in g.samples for v in s.versions]
-    if not vals:
-        return {"staleness/mean": 0.0, "staleness/max": 0.0}
-    out = {"staleness/mean": sum(vals) / len(vals), "staleness/max": float(max(vals))}
-    samples = [s for g in batch.groups for s in g.samples if s.versions]
-    for i, m in enumerate(staleness_by_length_decile(samples, version)):
-        out[f"staleness/len_decile_{i}"] = m
-    spans = [g.max_version - g.min_version for g in batch.groups if g.samples]
-    out["async/partial_ratio"] = sum(1 for x in spans if x > 0) / max(1, len(spans))
-    out["async/max_version_span"] = float(max(spans, default=0))
-    return out
-
-
-def staleness_by_length_decile(samples: list, version: int) -> list[float]:
-    """Mean per-token staleness of the samples in each response-length decile (shortest first).
-
-    Samples are sorted by length and cut into ten equal-count slices (fewer when there are under ten
-    samples); a slice's value is the mean over its tokens.
-    """
-    ordered = sorted(samples, key=lambda s: len(s.token_ids))
-    n = len(ordered)
-    k = min(10, n)
-    out = []
-    for i in range(k):
-        part = ordered[i * n // k : (i + 1) * n // k]
-        toks = [version - v for s in part for v in s.versions]
-        out.append(sum(toks) / len(toks) if toks else 0.0)
-    return out
-
-
-def batch_metrics(batch: Batch) -> dict[str, float]:
-    rewards = [s.reward for g in batch.groups for s in g.samples]
-    lengths = [len(s.token_ids) for g in batch.groups for s in g.samples]
-    n = max(1, len(rewards))
-    mean = sum(rewards) / n
-    std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
-    subs: dict[str, list[float]] = {}
-    for g in batch.groups:
-        for s in g.samples:
-            for k, v in s.reward_extras.items():
-                subs.setdefault(k, []).append(v)
-    solved = sum(1 for g in batch.groups if all(s.reward > 0 for s in g.samples))
-    zero = sum(1 for g in batch.groups if len({s.reward for s in g.samples}) == 1)
+def summarize(st: RunState, final: Path) -> dict[str, Any]:
+    """summary.json (the driver's result) from the run's state."""
     return {
-        "reward/mean": mean,
-        "reward/std": std,
-        "response/length_mean": sum(lengths) / n,
-        "response/length_max": float(max(lengths, default=0)),
-        "response/truncated_frac": sum(
-            1 for g in batch.groups for s in g.samples if s.finish_reason == "length"
-        )
-        / n,
-        "batch/groups_all_solved": float(solved),
-        "batch/groups_zero_adv": float(zero),
-        "data/dropped_overlong": float(batch.dropped_overlong),
-        **{k: float(v) for k, v in batch.reward_errors.items()},
-        **{f"reward/sub/{k}": sum(v) / len(v) for k, v in subs.items()},  # a reward's named sub-scores
-        **env_metrics([s for g in batch.groups for s in g.samples]),
+        "weight_version": st.version,
+        "steps": st.step,
+        "stopped": st.stop,
+        "val_reward_first": st.val_first,
+        "val_reward_last": st.val_last,
+        "train_wall_s": time.perf_counter() - st.t_run,
+        "loop_s": st.t_loop_end - st.t_run,
+        "trained_tokens": st.tokens_trained,
+        "final_checkpoint": str(final.resolve()),
+        "restored_from": st.restored_from,
     }
 
 
-def group_ids(groups: list[Group]) -> list[str]:
-    return [g.uid for g in groups]
+# ---------------------------------------------------------------------------------------------- the entry point
 
 
-def now() -> float:
-    return time.perf_counter()
+def train_worker(config: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker (see app/driver.py for what `config` holds)."""
+    from omegaconf import OmegaConf
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    t = build(OmegaConf.create(config["cfg"]), config)
+    try:
+        run(t, restore_or_start(t, config.get("resume")))
+    finally:  # rank 0's queued MLflow calls, written within a deadline (app/infra/tracking.py)
+        if t.tracker is not None:
+            t.tracker.close()
+
+
+def build(cfg: Any, config: dict[str, Any]) -> Trainer:
+    """This worker's learner (its FSDP2 shard), weight sync, batch source and, on rank 0, the loggers."""
+    from app.infra.metrics import trainer_metrics
+    from app.infra.tracking import Tracker
+
+    torch.manual_seed(cfg.train.seed)
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
+    torch.set_num_threads(max(1, int(cfg.train.worker_cpus)))
+    learner = Learner(cfg, config["model_path"], device)
+    actors = lookup_actors(cfg.ray.name, cfg.train.timeout_s)
+    lead = learner.rank == 0
+    tracker = Tracker(config["tracking_uri"], config["run_id"]) if lead else None
+    prom = trainer_metrics()
+    run_dir = Path(config["run_dir"])
+    return Trainer(
+        cfg=cfg,
+        rank=learner.rank,
+        learner=learner,
+        sync=TrainerSync(cfg, learner, actors.hub, device),
+        source=SOURCES[cfg.algorithm.mode](cfg, actors),
+        actors=actors,
+        run_dir=run_dir,
+        model_path=config["model_path"],
+        monitor=Monitor(actors if lead else None, cfg.train.stall_timeout_s, run_dir),
+        accounting=TrainedLog(run_dir),
+        prom=prom,
+        tracker=tracker,
+        validator=Validator(actors, tracker, prom) if lead else None,
+    )
+
+
+def lookup_actors(prefix: str, timeout_s: float) -> Actors:
+    """The actors of run `prefix` (created by app/driver.py), looked up by name."""
+    from app.rollout.rollouter import rollouter_name
+    from app.weights.actors import get_actor
+    from app.weights.control import control_name
+    from app.weights.hub import hub_name
+
+    return Actors(
+        hub=get_actor(hub_name(prefix)),
+        control=get_actor(control_name(prefix)),
+        rollouter=get_actor(rollouter_name(prefix)),
+        timeout_s=timeout_s,
+    )

@@ -4,7 +4,7 @@
 
 For each Qwen2.5 shape: a vLLM AsyncLLM with random (dummy) weights and Relay's worker extension, and, in this
 process, a bf16 state dict of the same names on the same GPU (the trainer's side). Each push: the IPC
-transport (app/sync/ipc.py) as rank 0 and the engine's worker as rank 1, exactly as a replica receives it
+transport (app/weights/ipc.py) as rank 0 and the engine's worker as rank 1, exactly as a replica receives it
 (pause in keep mode with requests in flight, receive and load, set the version, resume), for each way of
 loading (`--loads`: slots, load_weights, layerwise reload). Reports the push time (trainer walk and the
 replica's pause), the raw copy of the same bytes, that the checksums match, and that every way of loading
@@ -75,8 +75,9 @@ def trainer_state(path: str) -> dict:
 
 async def push(engine, state: dict, version: int, bucket_mb: float, loop, load: str) -> dict:
     """One push as ReplicaSync does it: pause(keep) -> relay_receive -> set version -> resume."""
-    from app.sync import plan_buckets, plan_to_json
     from app.vllm import engine as vla
+    from app.weights.buckets import plan_buckets
+    from app.weights.records import plan_to_json
 
     plan = plan_buckets(
         [(k, tuple(v.shape), v.dtype) for k, v in state.items()], int(bucket_mb * 2**20), version
@@ -197,9 +198,10 @@ async def bench_shape(shape: str, pushes: int, bucket_mb: float, gpu_util: float
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from app.sync import GroupInfo, free_port, group_to_json
-    from app.sync.ipc import IpcTransport
     from app.vllm import engine as vla
+    from app.weights.group import free_port
+    from app.weights.ipc import IpcTransport
+    from app.weights.records import GroupInfo, group_to_json
 
     path = model_dir(shape)
     args = AsyncEngineArgs(

@@ -38,9 +38,10 @@ def push_loop(config: dict[str, Any]) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from app.serve_rollout import NAMESPACE, hub_name
     from app.sync import TrainerSync
-    from app.train_loop import Learner
+    from app.trainer.learner import Learner
+    from app.weights.actors import NAMESPACE
+    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -51,7 +51,7 @@ def qwen2_config(shape: str, max_positions: int = 4096):
         rms_norm_eps=1e-6,
         rope_theta=1000000.0,
         bos_token_id=None,
-        eos_token_id=1,  # the tokenizer's (app/tiny.py): <pad> 0, <eos> 1, <unk> 2
+        eos_token_id=1,  # the tokenizer's (app/tasks/tiny.py): <pad> 0, <eos> 1, <unk> 2
         pad_token_id=0,
         torch_dtype="bfloat16",
         architectures=["Qwen2ForCausalLM"],
@@ -59,9 +59,9 @@ def qwen2_config(shape: str, max_positions: int = 4096):
 
 
 def synthetic_tokenizer(vocab: int, max_len: int = 4096):
-    """The embedded model's character tokenizer (app/tiny.py: any text tokenizes, one id a character) padded
+    """The embedded model's character tokenizer (app/tasks/tiny.py: any text tokenizes, one id a character) padded
     with filler tokens `<w...>` to exactly `vocab` ids, so that every row of the embedding is a token."""
-    from app.tiny import CHARS, build_tokenizer
+    from app.tasks.tiny import CHARS, build_tokenizer
 
     base = len(build_tokenizer().get_vocab())
     fillers = [f"<w{i}>" for i in range(base, vocab)]

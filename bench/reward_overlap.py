@@ -8,7 +8,7 @@ Two costly rewards on the built-in task (sync mode, long-tailed response lengths
 different times):
 - `delay`: exact match after a fixed `--delay-s` sleep (a remote verifier, an LLM judge);
 - `sandbox`: exact match after running a small Python program on `--sandbox-tests` tests in the real sandbox
-  (app/sandbox.py: a fresh process group with limits, a temporary directory, no network), up to
+  (app/rewards/sandbox.py: a fresh process group with limits, a temporary directory, no network), up to
   `--test-parallel` at once; each run also spends `--test-cpu-ms` of CPU (a test that computes).
 
 For each, the same steps run with `reward.overlap=true` (each trajectory is scored the moment it finishes,
@@ -71,7 +71,7 @@ def delay_reward(response: str, answer: str) -> float:
 def sandbox_reward(response: str, answer: str) -> dict[str, float]:
     """The cost of a real code reward: sandboxed runs of a program on `sandbox_tests` tests (a code task's
     hidden tests; up to `test_parallel` of them at once, as `code_reward` runs them), then exact match."""
-    from app.sandbox import run_tests
+    from app.rewards.sandbox import run_tests
 
     p = _params()
     n = int(p["sandbox_tests"])
@@ -88,7 +88,7 @@ COST_KNOB = {"delay": "delay_s", "sandbox": "test_cpu_ms"}  # what --match-scori
 
 def long_context_model(cache_dir: str, positions: int, seed: int) -> str:
     """A copy of the embedded model whose config allows `positions` positions (same weights: RoPE has none)."""
-    from app.tiny import ensure_builtin
+    from app.tasks.tiny import ensure_builtin
 
     dst = Path(cache_dir) / f"bench-tiny-ctx{positions}-seed{seed}" / "model"
     if (dst / "config.json").exists():

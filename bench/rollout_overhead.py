@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import load_config
+from app.infra.resources import memory_share
 from app.records import GenerateRequest
-from app.resources import memory_share
 from app.vllm import engine as vla
 
 log = logging.getLogger("bench.rollout_overhead")
@@ -116,8 +116,9 @@ def start_serve(cfg, model_path: str, gpu: bool):
     import ray
     from ray import serve
 
-    from app.serve_rollout import NAMESPACE, app_name, build_app, hub_name
-    from app.sync import WeightHub
+    from app.serve_rollout import app_name, build_app
+    from app.weights.actors import NAMESPACE
+    from app.weights.hub import WeightHub, hub_name
 
     ray.init(
         address="local", num_cpus=16, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False

@@ -1,4 +1,4 @@
-"""Weight-push bandwidth: app/sync's bucketed, checksummed push against a raw broadcast of the same bytes.
+"""Weight-push bandwidth: app/sync.py's bucketed, checksummed push against a raw broadcast of the same bytes.
 
 Two processes: a sender (GPU0) walks a plan of Qwen2-shaped bf16 tensors with `send_buckets` (a no-op gather:
 the tensors already sit on the sender), a receiver (GPU1) runs `receive_buckets` and copies every tensor into
@@ -7,8 +7,8 @@ bytes goes through a single raw broadcast. A push's time runs from the sender's 
 load, both read from the host's monotonic clock after a barrier; warm-up repetitions are dropped, the median
 of the rest is reported.
 
-Variants (each on both processes): `current` (app/sync as it is), `nockpt` (checksums replaced by a no-op:
-what verification costs), `legacy` (the checksum and NCCL wait of app/sync before the GPU tier, inside
+Variants (each on both processes): `current` (app/weights/ as it is), `nockpt` (checksums replaced by a no-op:
+what verification costs), `legacy` (the checksum and NCCL wait of app/weights/ before the GPU tier, inside
 today's walk: int32 words widened to int64 with a materialised weight ramp and two device syncs per bucket,
 and `work.wait(timeout)`, which polls with 1 ms sleeps). `--trace SIZE` profiles one push of that size.
 
@@ -36,8 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app import sync  # noqa: E402
-from app.sync import broadcast as sync_walk  # noqa: E402  (where the push walk looks up the checksum)
+from app.weights import broadcast as sync_walk  # noqa: E402  (where the push walk looks up the checksum)
+from app.weights.broadcast import receive_buckets, send_buckets  # noqa: E402
+from app.weights.buckets import pack_into, plan_buckets  # noqa: E402
+from app.weights.group import StatelessGroup, free_port  # noqa: E402
 from bench.qwen_shapes import QWEN2_SHAPES  # noqa: E402
 
 
@@ -68,7 +70,7 @@ def qwen2_specs(size: str) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-# ---------------------------------------------------------------- app/sync before the GPU tier (for `legacy`)
+# ---------------------------------------------------------------- app/weights/ before the GPU tier (for `legacy`)
 
 
 def legacy_checksum(flat: torch.Tensor) -> str:
@@ -83,29 +85,29 @@ def legacy_checksum(flat: torch.Tensor) -> str:
 
 
 def legacy_sums(flat: torch.Tensor) -> torch.Tensor:
-    """The legacy checksum (two device syncs per call) in the shape app.sync now collects per bucket."""
+    """The legacy checksum (two device syncs per call) in the shape app/weights/ now collects per bucket."""
     ck = legacy_checksum(flat)
     signed = [(int(ck[i : i + 16], 16) + 2**63) % 2**64 - 2**63 for i in (0, 16)]
     return torch.tensor([*signed, 0], dtype=torch.int64)
 
 
-def legacy_wait(self: sync.StatelessGroup, work: Any) -> None:
+def legacy_wait(self: StatelessGroup, work: Any) -> None:
     work.wait(self.timeout)  # torch polls with 1 ms sleeps when given a timeout
 
 
 @contextlib.contextmanager
 def variant(name: str, dev: torch.device):
-    saved = sync_walk._checksum_sums, sync.StatelessGroup.wait
+    saved = sync_walk._checksum_sums, StatelessGroup.wait
     zeros = torch.zeros(3, dtype=torch.int64, device=dev)
     try:
         if name == "nockpt":
             sync_walk._checksum_sums = lambda flat: zeros
         elif name == "legacy":
             sync_walk._checksum_sums = legacy_sums
-            sync.StatelessGroup.wait = legacy_wait  # type: ignore[method-assign]
+            StatelessGroup.wait = legacy_wait  # type: ignore[method-assign]
         yield
     finally:
-        sync_walk._checksum_sums, sync.StatelessGroup.wait = saved  # type: ignore[method-assign]
+        sync_walk._checksum_sums, StatelessGroup.wait = saved  # type: ignore[method-assign]
 
 
 def profile_table(prof: Any, rows: int = 14) -> str:
@@ -147,7 +149,7 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
     else:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
-    group = sync.StatelessGroup("127.0.0.1", port, rank, 2, "gloo" if cpu else "nccl", 300.0, 0, dev)
+    group = StatelessGroup("127.0.0.1", port, rank, 2, "gloo" if cpu else "nccl", 300.0, 0, dev)
     bucket_bytes = int(args["bucket_mb"] * 2**20)
     reps, warmup = args["reps"], args["warmup"]
     for size in args["sizes"]:
@@ -168,12 +170,12 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
         for var in args["variants"]:
             with variant(var, dev):
                 for i in range(warmup + reps):
-                    plan = sync.plan_buckets(specs, bucket_bytes, version=i)
+                    plan = plan_buckets(specs, bucket_bytes, version=i)
                     group.barrier()
                     sync_dev(dev)
                     t0 = now()
                     if rank == 0:
-                        st = sync.send_buckets(plan, gather, group, dev)
+                        st = send_buckets(plan, gather, group, dev)
                         sync_dev(dev)
                         rec = {
                             "gather_s": st.gather_s,
@@ -182,7 +184,7 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
                             "checksums": st.checksums,
                         }
                     else:
-                        cks, timing = sync.receive_buckets(plan, group, load, dev)
+                        cks, timing = receive_buckets(plan, group, load, dev)
                         sync_dev(dev)
                         rec = {
                             "recv_transfer_s": timing["transfer_s"],
@@ -217,7 +219,7 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
                 )
         # where the sender's pack time goes: the copies alone, the checksum alone (new and legacy)
         if rank == 0:
-            plan = sync.plan_buckets(specs, bucket_bytes, version=0)
+            plan = plan_buckets(specs, bucket_bytes, version=0)
             prof = {"pack_only_s": 0.0, "checksum_s": 0.0, "legacy_checksum_s": 0.0}
             for _ in range(2):  # the first pass warms the allocator; the second is kept
                 for k in prof:
@@ -227,7 +229,7 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
                     buf = torch.empty(b.numel, dtype=torch.bfloat16, device=dev)
                     sync_dev(dev)
                     t0 = now()
-                    sync.pack_into(b, tensors, buf)
+                    pack_into(b, tensors, buf)
                     sync_dev(dev)
                     t1 = now()
                     sync_walk._checksum_sums(buf)
@@ -242,14 +244,14 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
         if size == args["trace"] and dev.type == "cuda":  # one push under the profiler: where the time goes
             from torch.profiler import ProfilerActivity, profile
 
-            plan = sync.plan_buckets(specs, bucket_bytes, version=0)
+            plan = plan_buckets(specs, bucket_bytes, version=0)
             group.barrier()
             sync_dev(dev)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 if rank == 0:
-                    sync.send_buckets(plan, gather, group, dev)
+                    send_buckets(plan, gather, group, dev)
                 else:
-                    sync.receive_buckets(plan, group, load, dev)
+                    receive_buckets(plan, group, load, dev)
                 sync_dev(dev)
             table = profile_table(prof)
             out.put({"rank": rank, "size": size, "variant": "trace", "table": table})
@@ -338,7 +340,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = sync.free_port()
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
     t_start = time.time()
     for p in procs:

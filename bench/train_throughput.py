@@ -1,4 +1,4 @@
-"""FSDP2 GRPO step throughput: `Learner.step` (app/train_loop.py) on Qwen2-shaped models, old path vs new.
+"""FSDP2 GRPO step throughput: `Learner.step` (app/trainer/learner.py) on Qwen2-shaped models, old path vs new.
 
 One process per GPU (NCCL default group, as under Ray Train; `--gpus 1` for world size 1); rank 0 builds a
 randomly initialised Qwen2 model of each size (Qwen2.5 shapes, real vocabulary), saves it, and every rank
@@ -62,7 +62,7 @@ for p in (str(ROOT), str(Path(__file__).resolve().parent)):
 
 from qwen_shapes import QWEN2_SHAPES, qwen2_config  # noqa: E402
 
-from app.resources import cuda_alloc_env  # noqa: E402
+from app.infra.resources import cuda_alloc_env  # noqa: E402
 
 PEAKS_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0}
 # the first round's settings (2026-11-24): what the named layouts measure unless a lever says otherwise
@@ -264,7 +264,7 @@ def run_case(
 ) -> dict[str, Any] | None:
     """Load a Learner for one (size, sequence length, variant, checkpointing) and time its steps."""
     from app.config import load_config
-    from app.train_loop import Learner
+    from app.trainer.learner import Learner
 
     prompt, response = parse_seq_len(spec)
     seq_len = prompt + response
@@ -488,7 +488,7 @@ def main() -> None:
     ns, args = parse_args()
     import torch.multiprocessing as mp
 
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     os.environ.update(args["alloc_env"])  # the spawned ranks' allocator, as the trainer workers get it
     ctx = mp.get_context("spawn")

@@ -11,11 +11,11 @@ from collections import Counter
 
 import pytest
 
-from app.admission import admission_limit, can_admit, merge_partial, over_bound, staleness_bound
 from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
 from app.rollout import AsyncProducer, GenSettings, GroupGenerator, ProducerSettings, PromptStream
-from app.train_loop import staleness_by_length_decile
+from app.rollout.admission import admission_limit, can_admit, merge_partial, over_bound, staleness_bound
+from app.trainer.learner import staleness_by_length_decile
 
 
 def test_admission_limit_hand_values():
@@ -247,8 +247,8 @@ def test_over_bound_hand_values():
 
 
 def test_response_budget_is_long_tailed_and_deterministic():
-    from app.admission import response_budget
     from app.config import parse_lengths
+    from app.rollout.admission import response_budget
 
     assert parse_lengths("fixed") is None and parse_lengths("pareto:1.2:4") == (1.2, 4)
     for bad in ("pareto:1.2", "lognormal:1:2", "pareto:0:4", "pareto:x:4"):

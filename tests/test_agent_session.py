@@ -13,11 +13,11 @@ from collections import Counter
 import pytest
 
 from app.config import ConfigError, load_config
-from app.openai_chat import ChatCore, ChatSettings, RequestError, render_chat
+from app.envs.agent.openai_chat import ChatCore, ChatSettings, RequestError, render_chat
+from app.envs.agent.session import AgentEpisode, Inconsistent, SessionCall, assemble, resolve_agent
 from app.records import Prompt
 from app.rewards import RewardResult
 from app.rollout import GenSettings, GroupGenerator
-from app.rollout.agent_session import AgentEpisode, Inconsistent, SessionCall, assemble, resolve_agent
 from app.rollout.episode import EpisodeLimits
 from tests.test_episodes import EOS, TOK, Model, dec, enc, tool_user
 

@@ -1,5 +1,5 @@
 """bench/sync_bandwidth.py runs on CPU over gloo (a tiny Qwen2-shaped state) and ends with its JSON line;
-plus the properties the push relies on from app.sync.checksum."""
+plus the properties the push relies on from app.weights.buckets.checksum."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from app.sync import checksum
+from app.weights.buckets import checksum
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import checkpoint, resume_check
+from app.infra.watchdog import Watchdog, summarize
 from app.records import PipelineSnapshot, Prompt
+from app.trainer import checkpoint, resume_check
 from app.trainer.state import fresh_pipeline
-from app.watchdog import Watchdog, summarize
 
 
 def test_truncate_log_drops_steps_after_the_checkpoint(tmp_path):

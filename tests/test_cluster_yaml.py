@@ -25,7 +25,7 @@ def test_cluster_yaml_matches_ray_autoscaler_schema():
 
 
 def test_cluster_yaml_with_defaults_passes_ray_validation():
-    from app.ray_compat import validate_cluster_config
+    from app.infra.ray_compat import validate_cluster_config
 
     validate_cluster_config(yaml.safe_load((ROOT / "cluster.yaml").read_text()))
 

@@ -13,15 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.code_task import make_code_problems
 from app.envs import ENVIRONMENTS, make_factory
 from app.envs.code_feedback import CodeFeedbackEnv, factory, observation
 from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
+from app.rewards.sandbox import SandboxError
 from app.rollout import GenSettings, GroupGenerator
 from app.rollout.episode import EpisodeLimits
-from app.sandbox import SandboxError
-from app.tiny import ASCII_CHARS, build_tokenizer, model_config
+from app.tasks.code import make_code_problems
+from app.tasks.tiny import ASCII_CHARS, build_tokenizer, model_config
 
 
 def _code_tokenizer():

@@ -1,4 +1,4 @@
-"""Tests for app.code_task: the built-in code task is deterministic, unique, solvable and not trivial."""
+"""Tests for app.tasks.code: the built-in code task is deterministic, unique, solvable and not trivial."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from app import code_task
-from app.code_task import ensure_code_task, make_code_problems, make_code_rows, write_code_task
-from app.data import load_rows
-from app.sandbox import CODE_LIMITS, code_reward
+from app.rewards.sandbox import CODE_LIMITS, code_reward
+from app.rollout.prompt_files import load_rows
+from app.tasks import code as code_task
+from app.tasks.code import ensure_code_task, make_code_problems, make_code_rows, write_code_task
 
 SEED = 3
 
@@ -94,8 +94,8 @@ def test_tiny_code_model_writes_expressible_programs(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from app.code_task import make_code_problems
-    from app.tiny import ensure_builtin_code
+    from app.tasks.code import make_code_problems
+    from app.tasks.tiny import ensure_builtin_code
 
     root = ensure_builtin_code(tmp_path, warmup_steps=5)
     tok = AutoTokenizer.from_pretrained(root / "model")

@@ -248,7 +248,7 @@ def test_registry_choices_are_checked_against_the_registries():
     """algorithm.mode / algorithm.correction / env.name name registry keys: a typo is refused with the valid
     keys."""
     from app.envs import ENVIRONMENTS
-    from app.losses import LOSSES
+    from app.trainer.losses import LOSSES
     from app.trainer.sources import SOURCES
 
     for key, registry in (
@@ -259,7 +259,7 @@ def test_registry_choices_are_checked_against_the_registries():
         for name in registry:
             extra = {
                 "fully_async": ["algorithm.max_staleness=1"],
-                "openai_agent": ["env.agent=app.agents_example:calc_agent"],
+                "openai_agent": ["env.agent=app.envs.agent.example:calc_agent"],
             }
             load_config(None, [f"{key}={name}", *extra.get(name, [])])
         with pytest.raises(ConfigError, match=key) as e:
@@ -297,7 +297,7 @@ def test_result_is_the_last_line_on_its_own(capsys):
 def test_vllm_rotary_reload_warning_filtered(caplog):
     import logging
 
-    from app.log_filters import VLLM_RELOAD_LOGGER, configure_logging, silence_vllm_reload_warnings
+    from app.infra.log_filters import VLLM_RELOAD_LOGGER, configure_logging, silence_vllm_reload_warnings
 
     silence_vllm_reload_warnings()
     silence_vllm_reload_warnings()  # idempotent

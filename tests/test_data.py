@@ -1,4 +1,4 @@
-"""Tests for app.data: loading .jsonl/.parquet prompt files, prompt rendering and overlong filtering."""
+"""Tests for app.rollout.prompt_files: loading .jsonl/.parquet prompt files, prompt rendering and overlong filtering."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import DataError, PromptRow, filter_overlong, load_rows, normalize_row, render_prompt
+from app.rollout.prompt_files import (
+    DataError,
+    PromptRow,
+    filter_overlong,
+    load_rows,
+    normalize_row,
+    render_prompt,
+)
 
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
 

@@ -1,5 +1,5 @@
 """The streaming prompt reader (app.rollout.dataset) without Ray: its readers and its Normalize stage give the
-rows `app.data.load_rows` gives, with the same errors, whatever the block size and the order blocks come in."""
+rows `app.rollout.prompt_files.load_rows` gives, with the same errors, whatever the block size and the order blocks come in."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import DataError, PromptRow, check_path, load_rows
 from app.rollout.dataset import (
     COLUMNS,
     Normalize,
@@ -22,6 +21,7 @@ from app.rollout.dataset import (
     plain_row,
     prompt_row,
 )
+from app.rollout.prompt_files import DataError, PromptRow, check_path, load_rows
 from tests.test_data import MSGS, write_jsonl, write_verl_parquet
 
 

@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 
-from app.calc_task import CALC_CHARS, head_answer, make_calc_problems, warmup_example
 from app.envs import ENVIRONMENTS, make_factory
 from app.envs.base import EnvStep
 from app.envs.calculator import CalculatorEnv
@@ -18,7 +17,8 @@ from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
 from app.rollout import Frozen, GenSettings, GroupGenerator
 from app.rollout.episode import EpisodeLimits, env_metrics
-from app.tiny import build_tokenizer
+from app.tasks.calc import CALC_CHARS, head_answer, make_calc_problems, warmup_example
+from app.tasks.tiny import build_tokenizer
 
 TOK = build_tokenizer(CALC_CHARS, 64)
 EOS = TOK.eos_token_id

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from app.sync import Ack, WeightHub
-from app.sync.replica import ReplicaSync
+from app.sync import ReplicaSync
 from app.vllm import engine as vla
+from app.weights.hub import WeightHub
+from app.weights.records import Ack
 
 
 class _Remote:
@@ -92,7 +93,7 @@ def test_dead_engine_fails_health_and_leaves_the_group_at_once():
 def test_push_budget_fits_the_trainer_collective_timeout():
     """A push retries for a time, not a count; one more attempt after the budget still ends before the
     other trainer ranks' collective timeout (train.timeout_s + sync.timeout_s + 60)."""
-    from app.sync.trainer import TrainerSync
+    from app.sync import TrainerSync
 
     for train_t, sync_t in [(300.0, 60.0), (300.0, 20.0), (60.0, 60.0)]:
         ts = TrainerSync.__new__(TrainerSync)
@@ -108,7 +109,7 @@ def test_run_dir_outlives_a_ray_job(tmp_path, monkeypatch):
     """The default run_dir is absolute under the home directory; one inside Ray's temporary copy of a job's
     working directory is refused with the fix."""
     from app.config import load_config
-    from app.storage import RunDirError, resolve_run_dir
+    from app.infra.storage import RunDirError, resolve_run_dir
 
     monkeypatch.setenv("HOME", str(tmp_path))
     assert resolve_run_dir(load_config(None, []).run_dir) == tmp_path / "relay-runs"
@@ -259,7 +260,7 @@ def test_serve_generate_retries_dead_replicas_until_its_deadline():
 
 def test_no_progress_bar_when_tqdm_is_disabled(monkeypatch):
     """Where stderr is no terminal the driver sets TQDM_DISABLE: the trainer's bar must not reach the logs."""
-    from app import ray_compat
+    from app.infra import ray_compat
 
     monkeypatch.setenv("TQDM_DISABLE", "1")
     bar = ray_compat.progress_bar(total=3, desc="x")
@@ -274,7 +275,7 @@ def test_a_stale_ray_cluster_record_is_forgotten_and_a_live_one_kept(tmp_path):
     `ray stop` would; a record of a live address, or none at all, is left alone."""
     import socket
 
-    from app.ray_compat import forget_stale_cluster_address
+    from app.infra.ray_compat import forget_stale_cluster_address
 
     record = tmp_path / "ray_current_cluster"
     assert forget_stale_cluster_address(str(record)) is None  # no record

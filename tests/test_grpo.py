@@ -1,4 +1,4 @@
-"""Golden-value tests for app.grpo; every expected number is derived by hand in the comments."""
+"""Golden-value tests for app.trainer.grpo; every expected number is derived by hand in the comments."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from app import grpo
+from app.trainer import grpo
 
 LN2, LN3, LN1_5 = math.log(2.0), math.log(3.0), math.log(1.5)
 SQRT3 = math.sqrt(3.0)

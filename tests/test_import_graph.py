@@ -99,6 +99,6 @@ def test_cycle_finder_finds_a_circle_through_three_modules() -> None:
 
 def test_app_modules_import_in_no_circle() -> None:
     edges = import_graph()
-    assert len(edges) > 50 and "app.sync.trainer" in edges  # the graph covers the package
+    assert len(edges) > 50 and "app.sync" in edges  # the graph covers the package
     found = cycles(edges)
     assert not found, f"modules of app/ import each other in a circle (function-local imports count): {found}"

@@ -1,4 +1,4 @@
-"""The loss registry: `algorithm.correction` picks a loss from `app.losses.LOSSES`, and a new variant is one
+"""The loss registry: `algorithm.correction` picks a loss from `app.trainer.losses.LOSSES`, and a new variant is one
 function plus one registry line (tests/toy_loss.py) that trains like the built-in ones."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app import losses
 from app.config import load_config
-from app.losses import LOSSES, LossInputs
+from app.trainer import losses
+from app.trainer.losses import LOSSES, LossInputs
 from tests import toy_loss
 from tests.test_train_loop import _batch, _setup
 
@@ -50,7 +50,7 @@ def test_toy_loss_variant_trains_through_the_registry(tmp_path, monkeypatch):
         OmegaConf.to_container(load_config(None, ["train.lr=0.01", "train.micro_batch_size=4"]))
     )
     cfg.algorithm.correction = "toy"
-    from app.train_loop import Learner
+    from app.trainer.learner import Learner
 
     learner = Learner(cfg, path, torch.device("cpu"))
     assert learner.loss_fn is toy_loss.reinforce

@@ -12,11 +12,11 @@ import os
 import pytest
 import torch
 
-from app import grpo
 from app.config import load_config
-from app.packing import collate_packed, plan_micro_batches
 from app.records import Batch, Group, Sample
-from app.train_loop import Learner, Row, collate, response_logprobs, row_values, scored_logprobs
+from app.trainer import grpo
+from app.trainer.learner import Learner, Row, collate, response_logprobs, row_values, scored_logprobs
+from app.trainer.packing import collate_packed, plan_micro_batches
 
 VOCAB = 40
 
@@ -162,7 +162,7 @@ def _rows() -> list[Row]:
 
 
 def test_packed_forward_matches_padded(tmp_path):
-    from app.train_loop import build_fsdp_model
+    from app.trainer.learner import build_fsdp_model
 
     path = _model_dir(tmp_path)
     rows = _rows()
@@ -289,7 +289,7 @@ def test_fsdp2_one_rank_packed_chunked_equals_reference(tmp_path, fast):
     forward method and gives the reference step's loss and gradients; so does the fast path (layers gathered
     once per step, gradients accumulated unsharded over the micro-batches, fused AdamW, compiled layers),
     through the optimizer update, a forward-only call and a second step."""
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     path = _model_dir(tmp_path)
     common = ["train.lr=0.01", "algorithm.loss_agg=seq_mean", "algorithm.kl_coef=0.1"]
@@ -373,7 +373,7 @@ def test_masked_loss_by_hand(tmp_path):
     cfg = load_config(None, ["train.lr=0.01", "algorithm.correction=none", *VARIANTS["padded_full"]])
     learner = Learner(cfg, path, torch.device("cpu"))
     batch = _env_batch(True)
-    from app.train_loop import flatten_batch
+    from app.trainer.learner import flatten_batch
 
     rows = flatten_batch(batch, True)
     with torch.no_grad():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.config import ConfigError, load_config
-from app.resources import (
+from app.infra.resources import (
     ResourceError,
     auto_transport,
     check,
@@ -27,9 +27,12 @@ from app.resources import (
     role_env,
     trainer_env,
 )
-from app.sync import TRANSPORTS, GroupInfo, free_port, plan_buckets, transport_class
-from app.sync import ipc as ipc_mod
 from app.vllm import engine as vla
+from app.weights import ipc as ipc_mod
+from app.weights.buckets import plan_buckets
+from app.weights.group import free_port
+from app.weights.records import GroupInfo
+from app.weights.transport import TRANSPORTS, transport_class
 
 
 def gpu1(*extra: str):
@@ -253,7 +256,7 @@ def test_custom_resources_pin_roles_and_are_checked_per_node():
     """resources.rollout_custom / train_custom (a two-node cluster: rollout on one node, training on the
     other) are asked by each replica and train worker, counted in the start-up check, and checked against
     the nodes that hold them."""
-    from app.resources import check_nodes, custom
+    from app.infra.resources import check_nodes, custom
 
     cfg = load_config(
         None,

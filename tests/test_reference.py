@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from app import tiny
 from app.config import load_config
 from app.records import Batch, Group, Sample
-from app.reference import RefWorker
-from app.train_loop import Learner
+from app.rollout.reference import RefWorker
+from app.tasks import tiny
+from app.trainer.learner import Learner
 
 
 def test_reference_worker_matches_trainer(tmp_path):

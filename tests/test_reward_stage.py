@@ -9,14 +9,14 @@ import time
 import pytest
 
 from app.config import load_config
+from app.infra.resources import ResourceError, check, demands
 from app.records import Batch, Group, Sample
-from app.resources import ResourceError, check, demands
-from app.reward_pool import RewardPool, RewardWorker
 from app.rewards import math_reward, resolve_reward_fn
-from app.train_loop import batch_metrics
+from app.rewards.pool import RewardPool, RewardWorker
+from app.trainer.learner import batch_metrics
 
 # The reward functions of these tests live in tests/test_rewards.py: the scoring processes import them, and
-# this module imports torch (app.train_loop), which would cost each process seconds to start.
+# this module imports torch (app.trainer.learner), which would cost each process seconds to start.
 TOWERS = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{40}}}", "\\boxed{10^{10^7}}"]
 
 
@@ -154,7 +154,7 @@ def test_async_reward_functions_are_awaited():
 
 
 def test_resource_shares_resolve_to_per_role_settings():
-    from app.resources import resolve
+    from app.infra.resources import resolve
 
     cfg = load_config(
         None,

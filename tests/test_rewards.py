@@ -1,4 +1,4 @@
-"""Tests for app.rewards (built-in rewards, reward.fn resolution, evaluate()) and app.reward_pool's
+"""Tests for app.rewards (built-in rewards, reward.fn resolution, evaluate()) and app.rewards.pool's
 killable scoring processes."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, load_config
-from app.reward_pool import OUTPUT_CAP_BYTES, RewardPool, RewardProcesses
 from app.rewards import (
     RewardResult,
     evaluate,
@@ -26,6 +25,7 @@ from app.rewards import (
     overlong_penalty,
     resolve_reward_fn,
 )
+from app.rewards.pool import OUTPUT_CAP_BYTES, RewardPool, RewardProcesses
 
 
 def test_overlong_penalty_hand_values():
@@ -343,7 +343,7 @@ def test_a_reward_that_kills_its_process_is_a_crash_and_the_next_one_scores():
 def test_what_a_reward_prints_is_capped_and_the_rest_counted(caplog):
     """A reward printing 10 MB: a few kB of it reach the log, the rest is dropped and counted; the reward
     still scores and its process is kept."""
-    caplog.set_level(logging.INFO, logger="app.reward_pool")
+    caplog.set_level(logging.INFO, logger="app.rewards.pool")
     procs = RewardProcesses("tests.test_rewards:loud", 10.0, -1.0)
     try:
         res = procs.score("x", "", "")
@@ -392,7 +392,7 @@ def test_reward_max_memory_mb_is_a_validated_key_the_pool_applies():
 
 def test_auto_reward_routes_code_rows_to_the_sandbox():
     from app.rewards import resolve_reward_fn
-    from app.sandbox import code_reward
+    from app.rewards.sandbox import code_reward
 
     assert resolve_reward_fn("auto", "code") is code_reward
     assert resolve_reward_fn("code", "anything") is code_reward

@@ -11,11 +11,11 @@ from collections import Counter
 
 import pytest
 
-from app.data import DataError
 from app.records import GenerateRequest, GenerateResponse, Group, PipelineSnapshot, Prompt, Sample
 from app.rewards import RewardResult
 from app.rollout import Frozen, GenSettings, GroupGenerator, PromptStream
 from app.rollout.producer import reward_errors
+from app.rollout.prompt_files import DataError
 
 
 def _rows(n: int, long: set[int] = frozenset()):

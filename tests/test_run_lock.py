@@ -1,4 +1,4 @@
-"""app/run_lock.py and the driver's run folder (no Ray): unique names, a live run's folder refused naming it,
+"""app/infra/run_lock.py and the driver's run folder (no Ray): unique names, a live run's folder refused naming it,
 a dead run's folder free again, the store lock's deadline."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.run_lock import LOCK_FILE, RunInUseError, RunLock, file_lock, new_run_name
+from app.infra.run_lock import LOCK_FILE, RunInUseError, RunLock, file_lock, new_run_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def test_a_second_lock_is_refused_naming_the_holder_then_free_after_release(tmp_
 _HOLD = """
 import sys
 from pathlib import Path
-from app.run_lock import RunLock
+from app.infra.run_lock import RunLock
 lock = RunLock.acquire(Path(sys.argv[1]))
 print("locked", flush=True)
 sys.stdin.read()  # holds until killed or stdin closes
@@ -78,7 +78,7 @@ def test_file_lock_waits_with_a_deadline(tmp_path):
 def test_driver_refuses_a_second_run_with_the_same_name_and_an_unreachable_uri(tmp_path):
     from app.config import load_config
     from app.driver import _open_run
-    from app.tracking import TrackingError
+    from app.infra.tracking import TrackingError
 
     cfg = load_config(None, [f"run_dir={tmp_path}", "tracking.run_name=same"])
     rec = _open_run(cfg, None)

@@ -1,4 +1,4 @@
-"""Tests for app.sandbox: hostile programs are stopped within their deadline and the host stays fine.
+"""Tests for app.rewards.sandbox: hostile programs are stopped within their deadline and the host stays fine.
 
 Every test asserts its deadline (wall < limits.wall_s + 3 s). Tests of a protection the machine cannot
 provide (no network namespace, no pid namespace, ...) are skipped with the reason.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from app import sandbox
-from app.sandbox import Isolation, RunResult, SandboxLimits, code_reward, extract_program, run_program
+from app.rewards import sandbox
+from app.rewards.sandbox import Isolation, RunResult, SandboxLimits, code_reward, extract_program, run_program
 
 FAST = SandboxLimits(cpu_s=1.0, wall_s=5.0)  # busy loops stop at 1 s of CPU; wall: room for load
 SLACK_S = 3.0
@@ -282,7 +282,7 @@ def test_program_sees_nothing_of_the_host_or_the_project(tmp_path):
         "/etc/hostname",
         str(dataset),
         str(hidden),
-        str(repo_dir / "app" / "sandbox.py"),
+        str(repo_dir / "app" / "rewards" / "sandbox.py"),
     ]
     targets += ["/proc/1/cmdline", "/proc/1/environ", os.path.expanduser("~/.bashrc")]
     code = (

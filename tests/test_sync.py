@@ -8,27 +8,13 @@ import time
 import pytest
 import torch
 
-from app import tiny
-from app.sync import (
-    Abort,
-    Ack,
-    Acks,
-    GroupInfo,
-    Idle,
-    Join,
-    Leave,
-    Push,
-    RunControl,
-    SyncError,
-    Unknown,
-    WeightHub,
-    check_acks,
-    checksum,
-    free_port,
-    make_transport,
-    plan_buckets,
-    unpack,
-)
+from app.tasks import tiny
+from app.weights.buckets import checksum, plan_buckets, unpack
+from app.weights.control import RunControl
+from app.weights.group import free_port
+from app.weights.hub import WeightHub, check_acks
+from app.weights.records import Abort, Ack, Acks, GroupInfo, Idle, Join, Leave, Push, SyncError, Unknown
+from app.weights.transport import make_transport
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -427,7 +413,7 @@ def test_hub_rollback_after_a_restore():
 
 def test_run_control_stop_heartbeat_and_abort():
     """`abort_inflight` reaches every replica that polls, once, and waits for their answers; one that
-    detached is not waited for. The hub forwards the run-control calls (until every caller switched)."""
+    detached is not waited for. The hub's status reports the run control's stop reason and heartbeat."""
 
     async def scenario():
         control = RunControl()
@@ -435,8 +421,8 @@ def test_run_control_stop_heartbeat_and_abort():
         assert isinstance(await control.next_control("r1", await control.abort_count(), 0.01), Idle)
         assert isinstance(await control.next_control("r2", 0, 0.01), Idle)
         await control.detach("r2")
-        seen = await hub.abort_count()
-        task = asyncio.create_task(hub.abort_inflight(2.0))
+        seen = await control.abort_count()
+        task = asyncio.create_task(control.abort_inflight(2.0))
         ins = await control.next_control("r1", seen, 1.0)
         assert isinstance(ins, Abort)
         await control.ack("r1", ins.seq, OK)
@@ -448,10 +434,10 @@ def test_run_control_stop_heartbeat_and_abort():
         t0 = time.monotonic()
         acks = await control.abort_inflight(0.3)
         assert acks["missing"] == ["r1", "r3"] and time.monotonic() - t0 < 2.0
-        await hub.beat({"phase": "training step 4"})
-        await hub.request_stop("signal SIGTERM")
+        await control.beat({"phase": "training step 4"})
+        await control.request_stop("signal SIGTERM")
         await control.request_stop("a second reason is ignored")
-        assert await hub.stop_reason() == "signal SIGTERM"
+        assert await control.stop_reason() == "signal SIGTERM"
         st = await hub.status()
         assert st["trainer"]["phase"] == "training step 4" and st["stop"] == "signal SIGTERM"
 

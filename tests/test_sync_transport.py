@@ -7,7 +7,10 @@ from typing import Any
 
 import torch
 
-from app.sync import TRANSPORTS, BroadcastTransport, GroupInfo, checksum, register_transport, transport_class
+from app.weights.broadcast import BroadcastTransport
+from app.weights.buckets import checksum
+from app.weights.records import GroupInfo
+from app.weights.transport import TRANSPORTS, register_transport, transport_class
 from tests.test_sync import _push
 
 CHUNKS = 3

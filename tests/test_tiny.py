@@ -1,4 +1,4 @@
-from app import tiny
+from app.tasks import tiny
 
 
 def test_problems_disjoint_and_correct():

@@ -1,4 +1,4 @@
-"""app/tracking.py without Ray: the background writer against a real SQLite store and against an HTTP server
+"""app/infra/tracking.py without Ray: the background writer against a real SQLite store and against an HTTP server
 that dies (calls return at once, drops counted), name sanitising, the start probe, concurrent store creation."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from app import tracking
-from app.tracking import MetricNames, Tracker, TrackingError, check_reachable, safe_metric_name
+from app.infra import tracking
+from app.infra.tracking import MetricNames, Tracker, TrackingError, check_reachable, safe_metric_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def test_safe_names_stay_unchanged_and_renames_stay_distinct(caplog):
     for ok in ("loss/policy", "reward/mean", "sync/time_s", "val/reward", "a-b.c d:e"):
         assert safe_metric_name(ok) == ok
     names = MetricNames()
-    with caplog.at_level(logging.WARNING, logger="app.tracking"):
+    with caplog.at_level(logging.WARNING, logger="app.infra.tracking"):
         a = names("acc(strict)")
         b = names("acc_strict_")
         again = names("acc(strict)")
@@ -182,7 +182,7 @@ def test_dead_server_never_blocks_a_step_and_drops_are_counted(monkeypatch):
 def test_unreachable_server_costs_the_end_seconds_not_minutes(caplog):
     t = Tracker(f"http://127.0.0.1:{_closed_port()}", "run-d", queue_size=100)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="app.tracking"):
+    with caplog.at_level(logging.WARNING, logger="app.infra.tracking"):
         for step in range(1, 51):
             t.metrics({"loss": 1.0}, step)
         assert time.monotonic() - t0 < 0.5
@@ -217,7 +217,7 @@ def test_probe_times_out_on_a_server_that_never_answers():
 
 _START = """
 import sys, time
-from app.tracking import Tracker
+from app.infra.tracking import Tracker
 go = float(sys.argv[2])
 time.sleep(max(0.0, go - time.time()))
 t = Tracker.start(sys.argv[1], "shared", sys.argv[3], {"a": 1})

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from app import tiny
 from app.config import load_config
 from app.records import Batch, Group, Sample
-from app.train_loop import Learner, collate, flatten_batch, staleness
+from app.tasks import tiny
+from app.trainer.learner import Learner, collate, flatten_batch, staleness
 
 
 def _batch(answer_tok: int, wrong_tok: int, eos: int, prompt: list[int], groups: int = 4) -> Batch:
@@ -137,7 +137,7 @@ def _two_ranks(target, *args) -> list:
     result tuple starting with its rank. Returns them sorted by rank; fails on a crash or after 180 s."""
     import time
 
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -193,7 +193,7 @@ def _ckpt_worker(rank: int, port: int, path: str, prompt: list[int], toks, root:
 
     import torch.distributed as dist
 
-    from app import checkpoint
+    from app.trainer import checkpoint
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

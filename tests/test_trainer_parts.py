@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from app.records import Batch, Group, Sample
-from app.sync import PushStats
 from app.trainer.accounting import TrainedLog
 from app.trainer.sources import SOURCES
 from app.trainer.state import RunState
 from app.trainer.step_metrics import StepTimings, step_metrics
+from app.weights.records import PushStats
 
 
 def _group(uid: str, versions: list[list[int]], rewards: list[float]) -> Group:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from app.losses import LossInputs, LossOutputs
+from app.trainer.losses import LossInputs, LossOutputs
 
 WEIGHT = 0.5
 

@@ -22,8 +22,8 @@ ENVIRONMENTS: dict[str, Callable[[Any, Offload], EnvFactory]] = {
 
 
 def _openai_agent(cfg: Any) -> EnvFactory:
-    """Agent code driving whole sessions through the OpenAI endpoint (app/rollout/agent_session.py)."""
-    from app.rollout.agent_session import AgentEpisodes
+    """Agent code driving whole sessions through the OpenAI endpoint (app/envs/agent/session.py)."""
+    from app.envs.agent.session import AgentEpisodes
 
     return AgentEpisodes(cfg)
 

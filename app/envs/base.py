@@ -45,7 +45,7 @@ class Environment(Protocol):
 
 
 Offload = Callable[..., Awaitable[Any]]
-"""`await offload(fn, *args)` -> `fn(*args)`, run beside generation (app/reward_pool.py `RewardPool.offload`:
+"""`await offload(fn, *args)` -> `fn(*args)`, run beside generation (app/rewards/pool.py `RewardPool.offload`:
 on the least busy reward worker when there are any). `fn` blocks and is picklable (a module-level function)."""
 
 

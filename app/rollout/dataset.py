@@ -1,4 +1,4 @@
-"""The prompt files as Ray Data datasets: streamed, validated (app.data), tokenized, typed as `Prompt`s.
+"""The prompt files as Ray Data datasets: streamed, validated (app.rollout.prompt_files), tokenized, typed as `Prompt`s.
 
 A file is never whole in one process. One Ray Data read task per file (`PromptFile`, pinned to the
 rollouter's node, where the path was checked) reads it block by block: `.jsonl` line by line, `.parquet`
@@ -7,7 +7,7 @@ construction, whatever order later stages see the blocks in: they are in every e
 default uids. JSON is decoded per line (not `read_json`: Arrow's schema inference breaks when `prompt` is
 a string in some rows and messages in others, and line numbers would be lost).
 
-Stages: read -> `Normalize` (one actor: `app.data.normalize_row` per record, plus the duplicate-id check,
+Stages: read -> `Normalize` (one actor: `app.rollout.prompt_files.normalize_row` per record, plus the duplicate-id check,
 which needs every id of the file in one place) -> `Tokenize` (chat template; `data.truncation=error`
 fails on an overlong prompt, naming the file and row; under `drop` the `PromptStream` counts and skips
 them; a prompt of 0 tokens fails under either, naming the file and row: vLLM cannot generate from it). The training set is materialized once (token ids are small; the object store spills to disk).
@@ -24,7 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from app.data import (
+from app.records import Prompt
+from app.rollout.prompt_files import (
     DataError,
     PromptRow,
     check_columns,
@@ -36,7 +37,6 @@ from app.data import (
     normalize_row,
     render_prompt,
 )
-from app.records import Prompt
 
 BLOCK_ROWS = 4096  # rows per block the reader yields: bounded memory whatever the file's size
 ROW = "_relay_row"  # the row-number column the parquet reader adds to the file's own columns
@@ -50,7 +50,7 @@ def is_parquet(path: str | Path) -> bool:
 def jsonl_blocks(path: str, block_rows: int = BLOCK_ROWS) -> Iterator[Any]:
     """The non-blank lines of a `.jsonl` file as Arrow blocks of (row, line, text), read line by line.
 
-    Rows count non-blank lines from 0 and lines from 1, as `app.data.load_rows` does.
+    Rows count non-blank lines from 0 and lines from 1, as `app.rollout.prompt_files.load_rows` does.
     """
     import pyarrow as pa
 

@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from app import admission
 from app.envs.base import EnvFactory
 from app.records import GenerateRequest, GenerateResponse, Group, Prompt, Sample
 from app.rewards import RewardResult, overlong_penalty
+from app.rollout import admission
 from app.rollout.episode import Episode, EpisodeLimits
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The fully_async producer: admitted groups generate in the background into a bounded FIFO queue.
 
 A background task takes prompts from the `PromptStream` and starts one group each while fewer than
-`max_inflight` generate and `app.admission` admits it (started groups stay within
+`max_inflight` generate and `app.rollout.admission` admits it (started groups stay within
 (max_staleness + replica version + 1) x batch_groups); finished groups queue in completion order.
 `get_batch(k, version)` hands the trainer the next k, training or regenerating a group past the staleness
 bound per `over_bound` (and counting it); `on_push(version)` raises the admission limit.
@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app import admission
 from app.records import Batch, Filtered, Group, Prompt
-from app.rollout import filtering
+from app.rollout import admission, filtering
 from app.rollout.generator import Frozen
 from app.rollout.prompt_stream import PromptStream
 

@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from app.data import DataError
 from app.records import Group, PipelineSnapshot, Prompt, Sample
+from app.rollout.prompt_files import DataError
 
 EpochRows = Callable[[int], Iterator[Prompt]]
 

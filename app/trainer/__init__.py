@@ -1,6 +1,10 @@
-"""The trainer's loop and its parts, one small module each.
+"""The trainer's parts, one small module each; the loop itself is app/train_loop.py.
 
-    loop.py          the loop: get a batch, train, push, log, checkpoint; `finish` at the end
+    learner.py       `Learner`: this rank's FSDP2 shard of the policy, its optimizer and one step; batch metrics
+    grpo.py          pure GRPO math: advantages, clipped loss, KL estimators, corrections
+    losses.py        the policy-loss registry `LOSSES` (`algorithm.correction`)
+    packing.py       packed micro-batches (sequences side by side, varlen attention)
+    compiled.py      torch.compile of the norms and MLPs of each decoder layer
     sources/         where batches come from, one `BatchSource` per `algorithm.mode` (registry `SOURCES`)
     state.py         `RunState` (the counters a checkpoint keeps) and `restore_or_start`
     step_metrics.py  the per-step metrics, a pure function
@@ -8,7 +12,10 @@
     validation.py    validation on the replicas, logged to the tracker
     monitor.py       phase reporting to the watchdog and the run control's heartbeat; `stall_report`
     saving.py        one checkpoint through Ray Train
+    checkpoint.py    whole-pipeline checkpoints: DCP shards, RNGs, the stream's state, the manifest
+    resume_check.py  what `--resume` checks before Ray starts: the new run against the saved one
     comm.py          rank-0-to-all broadcast and waits on the other roles with a deadline
+    parts.py         `Trainer`: the pieces the loop runs with
 
 Rank 0 talks to the rollouter, the run control and MLflow; every rank trains its share and takes part in
 the gathers of each push and in each checkpoint.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app import checkpoint
 from app.records import Filtered, Group
+from app.trainer import checkpoint
 
 NAME = "trained_groups.jsonl"
 FILTERED = "filtered_groups.jsonl"

@@ -1,4 +1,5 @@
-"""What the trainer ranks share and how rank 0 waits on the other roles."""
+"""What the trainer ranks share and how rank 0 waits on the other roles (their handles: `Actors`, looked up
+by name in app/trainer/learner.py)."""
 
 from __future__ import annotations
 
@@ -38,17 +39,3 @@ class Actors:
             raise TimeoutError(
                 f"waited train.timeout_s={self.timeout_s}s for {what}; rollouter={prog}; hub={status}"
             ) from None
-
-    @classmethod
-    def lookup(cls, prefix: str, timeout_s: float) -> Actors:
-        """The actors of run `prefix` (created by app/driver.py), looked up by name."""
-        import ray
-
-        from app.rollouter import rollouter_name
-        from app.serve_rollout import NAMESPACE, hub_name
-        from app.sync.control import control_name
-
-        hub = ray.get_actor(hub_name(prefix), namespace=NAMESPACE)
-        control = ray.get_actor(control_name(prefix), namespace=NAMESPACE)
-        rollouter = ray.get_actor(rollouter_name(prefix), namespace=NAMESPACE)
-        return cls(rollouter=rollouter, hub=hub, control=control, timeout_s=timeout_s)

@@ -1,4 +1,4 @@
-"""Phase reporting: the watchdog (app/watchdog.py) and the run control's heartbeat learn what the trainer
+"""Phase reporting: the watchdog (app/infra/watchdog.py) and the run control's heartbeat learn what the trainer
 is doing; on a stall, `stall_report` says what the other roles were doing."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.infra.watchdog import REPORT, Watchdog
 from app.trainer.comm import Actors
-from app.watchdog import REPORT, Watchdog
 
 
 def stall_report(actors: Actors) -> dict[str, Any]:

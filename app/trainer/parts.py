@@ -1,4 +1,4 @@
-"""`Trainer`: the pieces one trainer worker runs with, built once by `app.train_worker.train_worker`."""
+"""`Trainer`: the pieces one trainer worker runs with, built once by `app.train_loop.train_worker`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from app.trainer.validation import Validator
 class Trainer:
     cfg: Any
     rank: int
-    learner: Any  # app.train_loop.Learner
+    learner: Any  # app.trainer.learner.Learner
     sync: Any  # app.sync.TrainerSync
     source: BatchSource
     actors: Actors
@@ -25,8 +25,8 @@ class Trainer:
     model_path: str
     monitor: Monitor
     accounting: TrainedLog
-    prom: Any  # app.metrics.Metrics
-    tracker: Any = None  # rank 0: app.tracking.Tracker
+    prom: Any  # app.infra.metrics.Metrics
+    tracker: Any = None  # rank 0: app.infra.tracking.Tracker
     validator: Validator | None = None  # rank 0
     bar: Any = None  # rank 0: the progress bar, from the loop's start
 

@@ -1,4 +1,4 @@
-"""One checkpoint of the whole pipeline, through Ray Train (layout: app/checkpoint.py)."""
+"""One checkpoint of the whole pipeline, through Ray Train (layout: app/trainer/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import checkpoint, resume_check
 from app.records import PipelineSnapshot
+from app.trainer import checkpoint, resume_check
 from app.trainer.comm import bcast
 from app.trainer.parts import Trainer
 from app.trainer.state import RunState
@@ -49,14 +49,14 @@ def save_checkpoint(
 
 def _identity(t: Trainer) -> dict[str, Any] | None:
     """The run's identity (written by the driver into the run folder) that the checkpoint keeps as
-    config.json, for `--resume` to compare with (app/resume_check.py)."""
+    config.json, for `--resume` to compare with (app/trainer/resume_check.py)."""
     path = t.run_dir / resume_check.IDENTITY
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def _seal(t: Trainer, name: str, files: dict[str, dict[str, Any]], step: int) -> None:
     """Once every rank's part is in the run's storage (`ray.train.report` returned on every rank: the
-    all-gather waits for them), rank 0 writes the manifest of all of them, last (app/checkpoint.py)."""
+    all-gather waits for them), rank 0 writes the manifest of all of them, last (app/trainer/checkpoint.py)."""
     import ray.train
     import torch.distributed as dist
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from app import checkpoint, resume_check
 from app.records import PipelineSnapshot
+from app.trainer import checkpoint, resume_check
 from app.trainer.comm import bcast
 from app.trainer.parts import Trainer
 

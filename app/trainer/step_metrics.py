@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.records import Batch
-from app.sync import PushStats
-from app.train_loop import batch_metrics, staleness
+from app.trainer.learner import batch_metrics, staleness
+from app.weights.records import PushStats
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,7 @@
                 weight load, set the weight version, RPC to the workers. `check_capabilities` refuses an
                 engine that lacks what the config needs (e.g. pausing generation for a weight load)
     worker.py   the worker extension vLLM mixes into each worker process (`worker_extension_cls`): join
-                the weight group and load pushed buckets through app/sync's transport
+                the weight group and load pushed buckets through a transport of app/weights/
 
 Nothing here is imported by app/ at module import time outside the rollout replica: vLLM is a heavy import.
 """

@@ -3,7 +3,7 @@
 vLLM imports `RelayWorkerExtension` through the engine argument `worker_extension_cls`
 (`app.vllm.engine.WORKER_EXTENSION`) and mixes it into its Worker, so its methods are reachable with
 `collective_rpc`. Arguments travel as JSON strings (tensors passed as RPC arguments arrive as lists); tensors
-travel only through the epoch's transport (app/sync/transport.py), built from the name in `GroupInfo`.
+travel only through the epoch's transport (app/weights/transport.py), built from the name in `GroupInfo`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from app.log_filters import silence_vllm_reload_warnings
-from app.sync import checksum, group_from_json, make_transport, plan_from_json
-from app.sync.records import dtype_of
+from app.infra.log_filters import silence_vllm_reload_warnings
 from app.vllm.fast_load import copy_into, plan_slots
+from app.weights.buckets import checksum
+from app.weights.records import dtype_of, group_from_json, plan_from_json
+from app.weights.transport import make_transport
 
 log = logging.getLogger(__name__)
 # vLLM restores each RotaryEmbedding's computed buffer after a reload and warns about it on every push

@@ -88,7 +88,7 @@ def run_children(targets: list[tuple[Any, tuple]], out_dir: Path, timeout_s: flo
 
 
 def free_port() -> int:
-    from app.sync import free_port as fp
+    from app.weights.group import free_port as fp
 
     return fp()
 
@@ -100,7 +100,7 @@ def build_model_dir(path: Path, hidden: int = 256, layers: int = 4, inter: int =
     """A randomly initialised Qwen2 model plus the embedded character tokenizer, saved to `path`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from app import tiny
+    from app.tasks import tiny
 
     tok = tiny.build_tokenizer()
     base = tiny.model_config(len(tok))  # the embedded model's config, made wider and deeper
@@ -181,7 +181,7 @@ def gpu_config(*extra: str) -> Any:
 def train_rank(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str, steps: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from app.train_loop import Learner, param_name
+    from app.trainer.learner import Learner, param_name
 
     device = use_device(rank)
     dist.init_process_group(
@@ -201,7 +201,7 @@ def train_rank(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str, 
         layer0 = learner.model.model.layers[0]
 
         def hook(mod: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            # on the MLP, not its gate_proj: on a GPU the compiled layers (app/compiled.py) call the MLP's
+            # on the MLP, not its gate_proj: on a GPU the compiled layers (app/trainer/compiled.py) call the MLP's
             # weights directly, so a hook on the Linear submodule never fires
             seen["weight"] = str(mod.gate_proj.weight.dtype)
             seen["input"] = str(args[0].dtype)
@@ -270,7 +270,9 @@ def receiver_main(
     acknowledges the join, then never takes part in a broadcast).
     Messages on `acks` (the control channel): {"kind": "ready"|"join"|"push", "key", "rid", "ok", ...}.
     """
-    from app.sync import StatelessGroup, checksum, receive_buckets
+    from app.weights.broadcast import receive_buckets
+    from app.weights.buckets import checksum
+    from app.weights.group import StatelessGroup
 
     dev = use_device(device_index)
     torch.zeros(1, device=dev)  # CUDA context up before the join
@@ -351,7 +353,7 @@ def wait_msgs(acks: Any, kind: str, key: int, rids: list[str], deadline: float) 
 def expect(msgs: dict[str, Any], rid: str, what: str, checksums: list[str] | None = None) -> dict[str, Any]:
     """The receiver's answer, or SyncError naming it (this transport-level harness has no hub: the real
     push's acknowledgements are tested on the real hub in test_disagg_gpu.py)."""
-    from app.sync import SyncError
+    from app.weights.records import SyncError
 
     msg = msgs.get(rid)
     if msg is None:
@@ -369,7 +371,7 @@ class Epoch:
     def __init__(
         self, epoch: int, behaviour: str, timeout_s: float, dev: torch.device, model_dir: str | None = None
     ) -> None:
-        from app.sync import StatelessGroup
+        from app.weights.group import StatelessGroup
 
         self.epoch, self.timeout_s, self.dev = epoch, timeout_s, dev
         self.rid = f"replica-e{epoch}-{behaviour}"
@@ -391,7 +393,8 @@ class Epoch:
 
     def push(self, plan: Any, gather: Any, deadline_s: float) -> tuple[Any, dict, float]:
         """Announce, send, and wait for the acknowledgement; SyncError (naming the replica) on any failure."""
-        from app.sync import SyncError, send_buckets
+        from app.weights.broadcast import send_buckets
+        from app.weights.records import SyncError
 
         t0 = time.monotonic()
         self.inbox.put(plan)  # the announcement (WeightHub.announce in the real system)
@@ -420,7 +423,7 @@ class Epoch:
 
 
 def param_checksums(names: list[str], gather: Any) -> dict[str, str]:
-    from app.sync import checksum
+    from app.weights.buckets import checksum
 
     return {n: checksum(t.reshape(-1)) for n, t in zip(names, gather(names), strict=True)}
 
@@ -461,13 +464,14 @@ def plain_state(kind: str, dev: torch.device) -> dict[str, torch.Tensor]:
 
 def trainer_main(scenario: str, model_dir: str | None, timeout_s: float, deadline_s: float) -> dict:
     """Rank 0 of a trainer on GPU0 (with its own default NCCL group, as under Ray Train), pushing to
-    receivers on GPU1 through app.sync. Returns what happened; raises on anything unexpected."""
+    receivers on GPU1 through app/weights/. Returns what happened; raises on anything unexpected."""
     import faulthandler
     import logging
     import sys
 
-    from app import sync as app_sync
-    from app.sync import SyncError, plan_buckets
+    from app.weights import group as weight_group
+    from app.weights.buckets import plan_buckets
+    from app.weights.records import SyncError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(name)s %(levelname)s %(message)s")
     faulthandler.dump_traceback_later(50, repeat=True, file=sys.stderr)  # where it hangs, if it does
@@ -485,7 +489,7 @@ def trainer_main(scenario: str, model_dir: str | None, timeout_s: float, deadlin
     epochs: list[Epoch] = []
     try:
         if scenario == "fsdp":
-            from app.train_loop import Learner
+            from app.trainer.learner import Learner
 
             learner = Learner(gpu_config("train.workers=1"), model_dir, dev)
             specs, gather = learner.push_specs(), learner.gather
@@ -551,7 +555,7 @@ def trainer_main(scenario: str, model_dir: str | None, timeout_s: float, deadlin
                         "rid": bad.rid,
                     }
                 )
-            out["aborting_after_failure"] = len(app_sync._ABORTING)
+            out["aborting_after_failure"] = len(weight_group._ABORTING)
             if scenario == "stuck_alive":
                 bad.group.close()  # the stuck receiver lives on while the group forms again without it
             else:
@@ -559,12 +563,12 @@ def trainer_main(scenario: str, model_dir: str | None, timeout_s: float, deadlin
             good = Epoch(1, "ok", timeout_s, dev)  # the group formed again, with a fresh receiver
             epochs.append(good)
             healthy_push(good, 1)
-            out["aborting_after_recovery"] = len(app_sync._ABORTING)
+            out["aborting_after_recovery"] = len(weight_group._ABORTING)
             if scenario == "stuck_alive":
                 bad.close(kill=True)
             healthy_push(good, 2)
             time.sleep(1.0)
-            out["aborting_at_end"] = len(app_sync._ABORTING)
+            out["aborting_at_end"] = len(weight_group._ABORTING)
         return out
     finally:
         for ep in epochs:

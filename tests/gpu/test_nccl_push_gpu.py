@@ -17,7 +17,7 @@ if torch.cuda.device_count() < 2:
 
 import relay_gpu_helpers as h
 
-from app.sync import checksum
+from app.weights.buckets import checksum
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from app import grpo
-from app.packing import PackedSeqs, _varlen_fn, packed_attention
+from app.trainer import grpo
+from app.trainer.packing import PackedSeqs, _varlen_fn, packed_attention
 
 pytestmark = pytest.mark.gpu
 

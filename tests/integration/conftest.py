@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from app.ray_compat import forget_stale_cluster_address
+from app.infra.ray_compat import forget_stale_cluster_address
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,8 @@ def hub_status(name: str) -> dict:
     """The weight hub's status of run `name` (raises while the run has not created it yet)."""
     import ray
 
-    from app.serve_rollout import NAMESPACE, hub_name
+    from app.weights.actors import NAMESPACE
+    from app.weights.hub import hub_name
 
     return ray.get(ray.get_actor(hub_name(name), namespace=NAMESPACE).status.remote(), timeout=10)
 
@@ -87,7 +88,7 @@ def ray_cluster():
     driver. Jobs (`ray job submit`) and CLI runs (`python -m app train ray.address=...`) join it too."""
     import ray
 
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     bin_dir = Path(sys.executable).parent
     # Ray 2.60 turns token authentication on for new clusters; this throwaway loopback test cluster runs
@@ -182,10 +183,10 @@ def rollout_stack(ray_cluster, cache_dir):
 
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
-    from app.openai_api import start_http
-    from app.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import NAMESPACE, app_name, build_app
-    from app.sync.actors import start_sync_actors
+    from app.envs.agent.openai_api import start_http
+    from app.rollout.rollouter import Rollouter, rollouter_name
+    from app.serve_rollout import app_name, build_app
+    from app.weights.actors import NAMESPACE, start_sync_actors
 
     cfg = load_config("quick", ["ray.name=it", f"model.cache_dir={cache_dir}", "sync.timeout_s=30"])
     inputs = resolve_inputs(cfg)

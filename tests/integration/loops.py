@@ -13,10 +13,13 @@ def logprob_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
-    from app.rollouter import rollouter_name
-    from app.serve_rollout import DEPLOYMENT_NAME, NAMESPACE, app_name, hub_name
-    from app.train_loop import Learner
-    from app.train_worker import TrainerSync, _bcast
+    from app.rollout.rollouter import rollouter_name
+    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+    from app.sync import TrainerSync
+    from app.trainer.comm import bcast
+    from app.trainer.learner import Learner
+    from app.weights.actors import NAMESPACE
+    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     # the GPU test (tests/gpu/test_loop_gpu.py) runs this on cuda with the IPC transport
@@ -31,7 +34,7 @@ def logprob_loop(config: dict[str, Any]) -> None:
             ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE).generate_batch.remote(4),
             timeout=120,
         )
-    batch = _bcast(batch)
+    batch = bcast(batch)
     g = batch.groups[0]
     prompt, completion = g.prompt_ids, g.samples[0].token_ids
     before = learner.logprobs_of(prompt, completion)
@@ -67,7 +70,7 @@ def logprob_loop(config: dict[str, Any]) -> None:
 
 def _exact(learner: Any, handle: Any) -> dict[str, Any]:
     """The trainer's checksum of every pushed tensor against what the replica's engine holds in its place."""
-    from app.sync import checksum
+    from app.weights.buckets import checksum
 
     names = [n for n, _, _ in learner.push_specs()]
     mine = {n: checksum(t.reshape(-1)) for n, t in zip(names, learner.gather(names), strict=True)}
@@ -165,10 +168,12 @@ def disagg_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
-    from app.rollouter import rollouter_name
-    from app.serve_rollout import DEPLOYMENT_NAME, NAMESPACE, app_name, hub_name
-    from app.train_loop import Learner
-    from app.train_worker import TrainerSync
+    from app.rollout.rollouter import rollouter_name
+    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+    from app.sync import TrainerSync
+    from app.trainer.learner import Learner
+    from app.weights.actors import NAMESPACE
+    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     cuda = config.get("cuda", True)  # False: the same scenario on CPU over gloo (a check of this harness)

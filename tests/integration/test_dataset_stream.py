@@ -1,5 +1,5 @@
 """Prompt files streamed through Ray Data (app.rollout.dataset.read_prompts) on the shared local cluster: the
-rows and the errors are those of `app.data.load_rows`, across several read blocks."""
+rows and the errors are those of `app.rollout.prompt_files.load_rows`, across several read blocks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.data import DataError, load_rows
 from app.rollout.dataset import BLOCK_ROWS, data_errors, prompt_row, read_prompts
+from app.rollout.prompt_files import DataError, load_rows
 from tests.test_data import MSGS, write_jsonl, write_verl_parquet
 
 

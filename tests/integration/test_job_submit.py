@@ -20,14 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-from app.ray_compat import forget_stale_cluster_address
+from app.infra.ray_compat import forget_stale_cluster_address
 from tests.integration.conftest import REPO
 from tests.integration.test_loop import check_tracked_run
 
 
 def _start_head(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """`ray start --head` with Ray's default authentication (RAY_AUTH_MODE unset); its dashboard address."""
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     port, dash, agent, client = free_port(), free_port(), free_port(), free_port()
     head = subprocess.Popen(

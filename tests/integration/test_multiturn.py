@@ -18,7 +18,7 @@ ENV_METRICS = ["env/turns_mean", "env/tool_calls", "env/tool_call_rate", "env/st
 def test_calculator_episodes_fully_async_once_each(ray_cluster, cache_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from app.calc_task import ensure_calc_task
+    from app.tasks.calc import ensure_calc_task
 
     rows = (ensure_calc_task(cache_dir) / "train.jsonl").read_text().splitlines()[:40]
     (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")

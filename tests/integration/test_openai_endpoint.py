@@ -10,7 +10,7 @@ import itertools
 
 import openai
 
-from app.openai_api import ROUTE_PREFIX
+from app.envs.agent.openai_api import ROUTE_PREFIX
 from app.rollout.episode import mask_runs
 
 SECOND = "max:1290="  # the agent's follow-up question (the tiny arithmetic model's alphabet)
@@ -34,8 +34,8 @@ def test_openai_client_sessions_become_trajectories(rollout_stack):
     from ray import serve
     from transformers import AutoTokenizer
 
-    from app.data import render_prompt
-    from app.openai_api import DEPLOYMENT, build_frontend, frontend_app_name
+    from app.envs.agent.openai_api import DEPLOYMENT, build_frontend, frontend_app_name
+    from app.rollout.prompt_files import render_prompt
 
     agent = "tests.integration.test_openai_endpoint:chat_agent"
     cfg = OmegaConf.merge(rollout_stack["cfg"], {"env": {"name": "openai_agent", "agent": agent}})
@@ -54,7 +54,7 @@ def test_openai_client_sessions_become_trajectories(rollout_stack):
 
 
 def _client_session(port: int, handle, prompt: str, prompt_ids: list[int], tok) -> None:
-    from app.rollout.agent_session import assemble
+    from app.envs.agent.session import assemble
 
     settings = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "seed": 3, "max_calls": 4}
     handle.open_session.remote("t1", settings).result(timeout_s=60)

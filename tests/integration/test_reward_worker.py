@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from app.config import load_config
-from app.reward_pool import RewardPool
+from app.rewards.pool import RewardPool
 from tests.test_reward_stage import TOWERS
 
 

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from app.ray_compat import forget_stale_cluster_address
+from app.infra.ray_compat import forget_stale_cluster_address
 from tests.integration.conftest import REPO
 from tests.integration.test_async import _prompts
 
@@ -85,7 +85,7 @@ def _running(pid: int) -> bool:
 
 def _start_cluster(env: dict[str, str]) -> tuple[list[subprocess.Popen], str]:
     """The head (rollout_node) and a second node (train_node, at TRAIN_NODE_IP); the head's address."""
-    from app.sync import free_port
+    from app.weights.group import free_port
 
     port = free_port()
     nodes = [

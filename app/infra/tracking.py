@@ -1,0 +1,508 @@
+"""MLflow tracking that never holds training; a tracking store that does not work fails the run at start.
+
+start     before Ray starts: an HTTP tracking URI is probed (a few seconds), the experiment and the run are
+          created (a local SQLite store under a file lock: concurrent runs share `run_dir`/mlflow.db, and
+          two first runs would otherwise race creating and migrating it). A failure raises, naming the URI.
+calls     `metrics`, `tags`, `artifact`, `table`, `text`, `reward_curve` only queue the call and return at
+          once. One background thread ("relay-tracking") writes them in order. A call that fails for a
+          reason that may pass (connection, timeout, 5xx, a locked database) is retried with backoff
+          (1 s doubling to 30 s) while later calls wait in the bounded queue (QUEUE_SIZE); a call the
+          queue cannot take, a call not written within JOB_MAX_AGE_S, or one MLflow rejects outright is
+          dropped: a warning (at most every WARN_EVERY_S) and `tracking/dropped`, the count so far, logged
+          with the next metrics. MLflow's own HTTP retries are set low (`http_defaults`): the retrying is
+          ours, off the training thread.
+names     metric names are made safe for MLflow (`safe_metric_name`); a renamed one is warned about once
+          and the mapping kept in the run's tag `relay.renamed_metrics`. A batch MLflow still rejects is
+          written one metric at a time, so one bad metric never drops the others.
+end       `close` (trainer) and `end` (driver, also sets the run's status) flush the queue within
+          FLUSH_TIMEOUT_S, giving up after FLUSH_GIVE_UP_S of failures: a dead server costs the run's end
+          seconds, not minutes; what is left is counted as dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import json
+import logging
+import math
+import numbers
+import os
+import re
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+QUEUE_SIZE = 1000
+JOB_MAX_AGE_S = 600.0
+BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
+WARN_EVERY_S = 60.0
+FLUSH_TIMEOUT_S = 600.0  # a final checkpoint upload to a live server may take minutes
+FLUSH_GIVE_UP_S = 20.0
+PROBE_TIMEOUT_S = 5.0
+STORE_LOCK_TIMEOUT_S = 120.0
+MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
+MAX_BATCH = 1000  # metrics per log_batch request
+# MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) hold one call about 4 minutes on a dead server
+HTTP_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+# errors MLflow answers for the request itself: retrying sends the same request to the same answer
+_PERMANENT = {
+    "INVALID_PARAMETER_VALUE",
+    "BAD_REQUEST",
+    "INVALID_REQUEST",
+    "RESOURCE_DOES_NOT_EXIST",
+    "RESOURCE_ALREADY_EXISTS",
+    "INVALID_STATE",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "ENDPOINT_NOT_FOUND",
+}
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /:]")
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be used at start; the message names the URI and the fix."""
+
+
+def default_uri(run_dir: str) -> str:
+    path = Path(run_dir).expanduser().resolve() / "mlflow.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def http_defaults() -> None:
+    """MLflow's HTTP retries and timeout, low (HTTP_ENV), unless the environment sets them."""
+    for k, v in HTTP_ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+def check_reachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Raise TrackingError unless an HTTP(S) tracking URI answers within `timeout_s` (any HTTP answer, an
+    error status included, counts: the server is there). Other URIs are not probed."""
+    if urlparse(uri).scheme not in ("http", "https"):
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return
+    except (OSError, http.client.HTTPException) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ssl.SSLError):
+            return  # a server answers; TLS settings are MLflow's (MLFLOW_TRACKING_INSECURE_TLS, ...)
+        raise TrackingError(
+            f"tracking.uri={uri}: no MLflow server answers there ({type(reason).__name__}: {reason}; probed "
+            f"{url} for {timeout_s:.0f} s). Start the server (e.g. `mlflow server --host 127.0.0.1 --port "
+            "5000`), correct tracking.uri, or leave tracking.uri empty for a local SQLite store under run_dir"
+        ) from e
+
+
+@contextmanager
+def store_lock(uri: str, timeout_s: float = STORE_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """For a SQLite store, a file lock beside the database (`mlflow.db.lock`) while it is created, migrated
+    and written at a run's start; nothing for other stores."""
+    from app.infra.run_lock import file_lock
+
+    path = uri[len("sqlite:///") :].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
+    if not path or path == ":memory:":
+        yield
+        return
+    with file_lock(Path(path + ".lock"), timeout_s):
+        yield
+
+
+def safe_metric_name(name: str) -> str:
+    """`name` with what MLflow refuses replaced by `_`: characters other than letters, digits, `_-. /:`,
+    empty, `.` or `..` path segments (MLflow treats names as paths), and length past 250."""
+    s = _UNSAFE.sub("_", str(name))
+    parts = ["_" if p in (".", "..") else p for p in s.split("/") if p]
+    s = "/".join(parts)[:MAX_KEY_LEN].rstrip("/")
+    return s or "_"
+
+
+class MetricNames:
+    """Original metric name -> the name logged. Distinct originals never share a logged name."""
+
+    def __init__(self) -> None:
+        self.renamed: dict[str, str] = {}
+        self._safe: dict[str, str] = {}
+        self._owner: dict[str, str] = {}
+
+    def __call__(self, name: str) -> tuple[str, bool]:
+        """The logged name, and whether `name` was renamed for the first time now."""
+        got = self._safe.get(name)
+        if got is not None:
+            return got, False
+        safe, base, i = safe_metric_name(name), None, 1
+        while self._owner.get(safe, name) != name:
+            base = base or safe
+            i += 1
+            safe = f"{base[: MAX_KEY_LEN - 4]}_{i}"
+        self._safe[name], self._owner[safe] = safe, name
+        if safe == name:
+            return safe, False
+        self.renamed[name] = safe
+        why = "MLflow refuses the original name" if base is None else "its name is taken by a renamed metric"
+        log.warning("metric %r is logged to MLflow as %r (%s)", name, safe, why)
+        return safe, True
+
+
+def _transient(e: BaseException) -> bool:
+    """A failure that a later retry may not meet: connection, timeout, server error, a locked database."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(e, MlflowException):
+        return getattr(e, "error_code", "") not in _PERMANENT
+    return isinstance(e, OSError)
+
+
+@dataclass
+class _Job:
+    what: str
+    fn: Callable[[], Any]
+    queued_at: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+
+
+class BackgroundWriter:
+    """One thread that runs queued calls in order, retrying transient failures with backoff. `submit` never
+    blocks: a full queue drops the call. Loop contract: consumes `_jobs`; waits on `_cv` for a job or `stop`;
+    a failing job waits out its backoff (or `stop`) and is dropped past `max_age_s` or when `close` gives up."""
+
+    def __init__(self, uri: str, max_jobs: int = QUEUE_SIZE, max_age_s: float = JOB_MAX_AGE_S) -> None:
+        self.uri, self.max_jobs, self.max_age_s = uri, max_jobs, max_age_s
+        self.dropped = 0
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = self._stopped = False
+        self._give_up_s: float | None = None  # set by close: how long failures may go on
+        self._failing_since: float | None = None
+        self._warned_at = -math.inf
+        self._thread = threading.Thread(target=self._loop, name="relay-tracking", daemon=True)
+        self._thread.start()
+
+    def submit(self, what: str, fn: Callable[[], Any]) -> _Job | None:
+        """Queue `fn` (returns at once); None where it was dropped (queue full, or closed)."""
+        job = _Job(what, fn)
+        with self._cv:
+            why = "closed" if self._stopped else "queue full" if len(self._jobs) >= self.max_jobs else ""
+            if not why:
+                self._jobs.append(job)
+                self._cv.notify_all()
+                return job
+        self.drop(1, what, f"{why} ({self.max_jobs} calls waiting for MLflow)" if why != "closed" else why)
+        return None
+
+    def drop(self, n: int, what: str, why: str) -> None:
+        """Count `n` calls dropped; warn (the first time, then at most every WARN_EVERY_S)."""
+        with self._cv:
+            self.dropped += n
+            total, now = self.dropped, time.monotonic()
+            if now - self._warned_at < WARN_EVERY_S:
+                return
+            self._warned_at = now
+        log.warning(
+            "MLflow at %s: dropped %s: %s (%d tracking calls dropped so far, logged as tracking/dropped; "
+            "training goes on)",
+            self.uri,
+            what,
+            why,
+            total,
+        )
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stopped:
+                    self._cv.wait(1.0)
+                if self._stopped:
+                    return
+                job, self._busy = self._jobs.popleft(), True
+            try:
+                self._run(job)
+            finally:
+                job.done.set()
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _run(self, job: _Job) -> None:
+        attempt = 0
+        while True:
+            started = time.monotonic()
+            try:
+                job.result = job.fn()
+                if self._failing_since is not None:
+                    log.warning("MLflow at %s answers again (after %.0f s)", self.uri, self._elapsed())
+                    self._failing_since = None
+                return
+            except Exception as e:
+                if not _transient(e):
+                    self.drop(1, job.what, f"MLflow refused it: {type(e).__name__}: {e}")
+                    return
+                attempt += 1
+                if self._failing_since is None:  # from the start of the failed call: a hung server counts
+                    self._failing_since = started
+                    log.warning(
+                        "MLflow at %s failed (%s: %s); retrying in the background, training goes on",
+                        self.uri,
+                        type(e).__name__,
+                        str(e)[:300],
+                    )
+                if self._stopped or self._giving_up() or time.monotonic() - job.queued_at > self.max_age_s:
+                    self.drop(1, job.what, f"not written in time: {type(e).__name__}: {str(e)[:300]}")
+                    return
+                with self._cv:
+                    self._cv.wait_for(
+                        lambda: self._stopped, timeout=min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (attempt - 1))
+                    )
+
+    def _elapsed(self) -> float:
+        return 0.0 if self._failing_since is None else time.monotonic() - self._failing_since
+
+    def _giving_up(self) -> bool:
+        return self._give_up_s is not None and self._elapsed() > self._give_up_s
+
+    def wait(self, done: Callable[[], bool], timeout_s: float, give_up_s: float) -> bool:
+        """Until `done()` (checked under the queue's lock), `timeout_s`, or `give_up_s` of failing writes."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopped or self._elapsed() > give_up_s:
+                    return False
+                self._cv.wait(min(0.5, left))
+        return True
+
+    def pending(self) -> int:
+        return len(self._jobs) + int(self._busy)
+
+    def close(self, timeout_s: float = FLUSH_TIMEOUT_S, give_up_s: float = FLUSH_GIVE_UP_S) -> bool:
+        """Write what is queued within the deadlines, then stop; True if nothing was left unwritten."""
+        self._give_up_s = give_up_s
+        ok = self.wait(lambda: not self._jobs and not self._busy, timeout_s, give_up_s)
+        with self._cv:
+            self._stopped = True
+            left = len(self._jobs)
+            self._jobs.clear()
+            self._cv.notify_all()
+        if left:
+            self.drop(left, f"{left} queued calls", "not written by the end of the run")
+        self._thread.join(timeout=5.0)
+        if self.dropped:
+            log.warning(
+                "MLflow at %s: %d tracking calls of this process were dropped", self.uri, self.dropped
+            )
+        return ok and not left
+
+
+class Tracker:
+    """One MLflow run, written through a BackgroundWriter (usable from any process that knows the run id)."""
+
+    def __init__(self, uri: str, run_id: str, queue_size: int = QUEUE_SIZE) -> None:
+        from mlflow.tracking import MlflowClient
+
+        http_defaults()
+        self.uri, self.run_id = uri, run_id
+        self.client = MlflowClient(tracking_uri=uri)
+        self.names = MetricNames()
+        self.writer = BackgroundWriter(uri, queue_size)
+        self._dropped_logged = 0
+        self._sysmon: Any = None
+
+    @classmethod
+    def start(cls, uri: str, experiment: str, run_name: str | None, params: dict[str, Any]) -> Tracker:
+        """Create the MLflow run (synchronously, before Ray starts); raises TrackingError naming the URI."""
+        http_defaults()
+        check_reachable(uri)
+        try:
+            with store_lock(uri):
+                run_id = _create_run(uri, experiment, run_name, params)
+        except Exception as e:
+            raise TrackingError(
+                f"tracking.uri={uri}: could not create the MLflow run ({type(e).__name__}: {str(e)[:500]}); "
+                "check that the tracking server or store works, or leave tracking.uri empty for a local "
+                "SQLite store under run_dir"
+            ) from e
+        return cls(uri, run_id)
+
+    def tags(self, values: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, str(v)[:8000]) for k, v in values.items()]
+        self.writer.submit(f"tags {sorted(values)}", lambda: self.client.log_batch(self.run_id, tags=items))
+
+    def metrics(self, values: dict[str, float], step: int) -> None:
+        """Queue the finite numbers of `values` at `step` (names made safe); returns at once."""
+        from mlflow.entities import Metric
+
+        ts, items, renamed = int(time.time() * 1000), [], False
+        for k, v in values.items():
+            if isinstance(v, numbers.Real) and math.isfinite(float(v)):
+                key, new = self.names(k)
+                renamed |= new
+                items.append(Metric(key, float(v), ts, step))
+        if renamed:
+            self.tags({"relay.renamed_metrics": json.dumps(self.names.renamed)})
+        self.writer.submit(f"metrics of step {step}", lambda: self._write_metrics(items, ts, step))
+
+    def _write_metrics(self, items: list[Any], ts: int, step: int) -> None:
+        from mlflow.entities import Metric
+
+        dropped = self.writer.dropped
+        if dropped != self._dropped_logged:
+            items = [*items, Metric("tracking/dropped", float(dropped), ts, step)]
+        for i in range(0, len(items), MAX_BATCH):
+            chunk = items[i : i + MAX_BATCH]
+            try:
+                self.client.log_batch(self.run_id, metrics=chunk)
+            except Exception as e:
+                if _transient(e):
+                    raise
+                self._write_one_by_one(chunk)
+        self._dropped_logged = dropped
+
+    def _write_one_by_one(self, items: list[Any]) -> None:
+        """A batch MLflow refused: each metric alone, so one it refuses drops only itself."""
+        for m in items:
+            try:
+                self.client.log_batch(self.run_id, metrics=[m])
+            except Exception as e:
+                if _transient(e):
+                    raise
+                self.writer.drop(1, f"metric {m.key!r}", f"MLflow refused it: {e}")
+
+    def table(self, rows: list[dict[str, Any]], name: str) -> None:
+        if not rows:
+            return
+        cols = {k: [r.get(k) for r in rows] for k in rows[0]}
+        self.writer.submit(
+            f"table {name}", lambda: self.client.log_table(self.run_id, data=cols, artifact_file=name)
+        )
+
+    def register(self, artifact_path: str, name: str, timeout_s: float = FLUSH_TIMEOUT_S) -> str | None:
+        """Register a logged artifact folder as a new version of model `name` once the calls queued before it
+        are written; returns the version (None where it failed or did not finish in time)."""
+        src = f"runs:/{self.run_id}/{artifact_path}"
+
+        def reg() -> str:
+            with suppress(Exception):
+                self.client.create_registered_model(name)
+            mv = self.client.create_model_version(name, src, run_id=self.run_id)
+            log.info("registered %s as model %s version %s", src, name, mv.version)
+            return str(mv.version)
+
+        job = self.writer.submit(f"model registration {name}", reg)
+        if job is None or not self.writer.wait(job.done.is_set, timeout_s, FLUSH_GIVE_UP_S):
+            log.warning(
+                "MLflow at %s: registering %s as model %s did not finish in time", self.uri, src, name
+            )
+            return None
+        return job.result
+
+    def artifact(self, path: str, artifact_path: str | None = None) -> None:
+        def upload() -> None:
+            if Path(path).is_dir():
+                self.client.log_artifacts(self.run_id, path, artifact_path)
+            else:
+                self.client.log_artifact(self.run_id, path, artifact_path)
+
+        self.writer.submit(f"artifact {path}", upload)
+
+    def text(self, text: str, name: str) -> None:
+        self.writer.submit(f"text {name}", lambda: self.client.log_text(self.run_id, text, name))
+
+    def dict(self, d: dict[str, Any], name: str) -> None:
+        self.text(json.dumps(d, indent=2, default=str), name)
+
+    def start_system_metrics(self) -> None:
+        """CPU, memory, disk, network (and GPU where present) of this node, sampled every 10 s into the run
+        (MLflow's own thread)."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._sysmon = SystemMetricsMonitor(self.run_id, sampling_interval=10, tracking_uri=self.uri)
+            self._sysmon.start()
+        except Exception as e:
+            log.warning("MLflow system metrics unavailable: %s", e)
+
+    def reward_curve(self, out_dir: str) -> None:
+        """Queue the plot of reward/mean and val/reward against the step, saved as PNG and logged."""
+        self.writer.submit("reward curve", lambda: self._plot_reward_curve(out_dir))
+
+    def _plot_reward_curve(self, out_dir: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, style in (("reward/mean", "-"), ("val/reward", "o-")):
+            hist = sorted(self.client.get_metric_history(self.run_id, key), key=lambda m: m.step)
+            if hist:
+                ax.plot([m.step for m in hist], [m.value for m in hist], style, label=key)
+        ax.set_xlabel("step (weight version)")
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = Path(out_dir) / "reward_curve.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        self.client.log_artifact(self.run_id, str(path))
+
+    def close(self, timeout_s: float = FLUSH_TIMEOUT_S, give_up_s: float = FLUSH_GIVE_UP_S) -> bool:
+        """Flush the queued calls (within `timeout_s`; `give_up_s` once MLflow keeps failing) and stop the
+        writer; True if everything was written."""
+        return self.writer.close(timeout_s, give_up_s)
+
+    def end(self, status: str = "FINISHED") -> bool:
+        """Stop the system metrics, set the run's status, and `close`."""
+        if self._sysmon is not None:
+            self.writer.submit("stopping system metrics", self._sysmon.finish)
+        self.writer.submit(
+            f"run status {status}", lambda: self.client.set_terminated(self.run_id, status=status)
+        )
+        return self.close()
+
+
+def _create_run(uri: str, experiment: str, run_name: str | None, params: dict[str, Any]) -> str:
+    """The experiment (created if missing, also by a concurrent run) and a new run with `params`."""
+    from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        exp_id = exp.experiment_id
+    else:
+        try:
+            exp_id = client.create_experiment(experiment)
+        except MlflowException:  # created meanwhile by another run on the same server
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise
+            exp_id = exp.experiment_id
+    run = client.create_run(exp_id, run_name=run_name or None)
+    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run.info.run_id, params=items[i : i + 100])
+    return run.info.run_id

@@ -1,0 +1,259 @@
+"""Reward functions: built-ins, resolution of `reward.fn`, and a guarded `score()` that never raises.
+
+A reward function takes `(response, answer)` and returns a number (float/int/bool) or a dict of named
+sub-scores with a required `"score"` key; the other entries are reported as extras.
+
+`evaluate()` runs a function in-process without a deadline and never raises. Deadlines are enforced one
+level up, by app.rewards.pool.RewardProcesses: a reward runs in a long-lived scoring subprocess that is
+killed (SIGKILL) when it misses its deadline, because a thread cannot be stopped (a big-integer power in
+sympy holds the GIL, so even the thread that waits on the deadline would not wake).
+
+The reward stage, in this package:
+
+    __init__.py  the reward functions (`BUILTINS`), `resolve_reward_fn`, `evaluate` (this module)
+    pool.py      the scoring processes: killable, with deadlines; on reward workers when there are any
+    sandbox.py   the code sandbox that runs untrusted programs (`code_reward`)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import numbers
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from app.rewards.sandbox import code_reward
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], float | dict]
+
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?")
+_AFTER_HASHES = re.compile(r"\s*([-+]?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when `response` equals `answer` after stripping surrounding whitespace, else 0.0 (strict)."""
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (<= 0) of a `length`-token response: none up to max_tokens - buffer,
+    then linear in the excess, -factor at max_tokens (and beyond); `buffer` 0 turns it off."""
+    if buffer <= 0:
+        return 0.0
+    excess = length - (max_tokens - buffer)
+    return -factor * min(1.0, excess / buffer) if excess > 0 else 0.0
+
+
+def _normalize_number(raw: str) -> str | None:
+    """`"$1,234."` -> `"1234"`; None when nothing numeric is left."""
+    s = re.sub(r"[\s,$]", "", raw).rstrip(".").lstrip("+")
+    return s if re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", s) else None
+
+
+def extract_gsm8k(text: str, flexible: bool = False) -> str | None:
+    """The GSM8K final answer: the number right after the last `####`, normalized.
+
+    Commas, `$` and a trailing period are removed (`"#### $1,234."` -> `"1234"`). Returns None when there
+    is no `####` or no number directly follows it. With `flexible=True` and no `####` in the text, the
+    last number anywhere in the text is taken instead (`"the answer is 5"` -> `"5"`).
+    """
+    if "####" in text:
+        m = _AFTER_HASHES.match(text.rsplit("####", 1)[1])
+        return _normalize_number(m.group(1)) if m else None
+    if flexible:
+        found = _NUMBER.findall(text)
+        return _normalize_number(found[-1]) if found else None
+    return None
+
+
+def _as_decimal(s: str | None) -> Decimal | None:
+    if s is None:
+        return None
+    try:
+        return Decimal(s)
+    except InvalidOperation:
+        return None
+
+
+def gsm8k_reward(response: str, answer: str, flexible: bool = False) -> float:
+    """1.0 when the response's `#### N` equals the truth numerically (`72.0` == `72`, `1,234` == `1234`).
+
+    The ground truth may be a full GSM8K solution (`"... #### 72"`) or the plain number (`"72"`). With
+    `flexible=True` a response without `####` is scored on its last number.
+    """
+    truth = _as_decimal(extract_gsm8k(answer, flexible=True))
+    pred = _as_decimal(extract_gsm8k(response, flexible=flexible))
+    return 1.0 if truth is not None and pred is not None and truth == pred else 0.0
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 when the response's final answer is mathematically equivalent to `answer` (math-verify: LaTeX or
+    plain expressions, `\\boxed{}` preferred; 1/2 == 0.5 == \\frac{1}{2}, (x+1)^2 == x^2+2x+1), else 0.0.
+    math-verify's own signal-based timeouts are off: the scoring process's deadline bounds the call instead
+    (e.g. `\\boxed{9^{9^{9^{9}}}}`, which sympy would compute for ever)."""
+    from math_verify import parse, verify
+
+    gold_text = answer if ("$" in answer or "\\" in answer) else f"${answer}$"
+    gold = parse(gold_text, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math reward: cannot parse the reference answer {answer!r}")
+    pred = parse(response, parsing_timeout=None)
+    return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+BUILTINS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "gsm8k": gsm8k_reward,
+    "math": math_reward,
+    "code": code_reward,
+}
+
+
+def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
+    """The reward function named by `spec` (the `reward.fn` setting).
+
+    `exact_match`, `gsm8k`, `math`, `auto` (gsm8k when `data_source` contains "gsm8k", math for math-like
+    sources (math, aime, amc, olympiad), the sandbox for `code`, else exact_match), or a
+    dotted path `pkg.module:function` / `pkg.module.function` to a user function called as
+    `fn(response, answer)`. Raises ValueError naming the spec and the fix when it cannot be resolved.
+    """
+    spec = (spec or "").strip()
+    if spec == "auto":
+        source = (data_source or "").lower()
+        if source == "code":  # app.tasks.code's rows: run the program on the row's tests in the sandbox
+            return code_reward
+        if "gsm8k" in source:
+            return gsm8k_reward
+        if any(k in source for k in ("math", "aime", "amc", "olympiad")):
+            return math_reward
+        return exact_match
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    hint = (
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'math', 'code' or a dotted path "
+        "'pkg.module:function' to a function importable from the working directory (PYTHONPATH)"
+    )
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+    else:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr or not _IDENT.match(module_name) or not _IDENT.match(attr):
+        raise ValueError(f"{hint}; {spec!r} is not of that form")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ValueError(f"{hint}; cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{hint}; module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{hint}; {attr!r} in {module_name!r} is a {type(obj).__name__}, not a function")
+    try:
+        inspect.signature(obj).bind("", "")
+    except TypeError as e:
+        raise ValueError(f"{hint}; {spec} must accept (response, answer): {e}") from e
+    except ValueError:
+        pass  # no introspectable signature (some builtins): accept it
+    return obj
+
+
+DETAIL_CHARS = 1000
+"""Most characters of an error's detail kept (an exception's message may be megabytes)."""
+
+
+@dataclass
+class RewardResult:
+    """Outcome of one guarded reward computation.
+
+    `error` is None on success, else "exception", "timeout", "invalid", "oom" (a MemoryError: over the
+    scoring process's memory limit, `reward.max_memory_mb`) or "crash" (the scoring process or worker
+    died) (and `score` is `on_error`);
+    `detail` explains the error (at most DETAIL_CHARS); `extras` holds the numeric sub-scores of a dict
+    return; `output_dropped` counts the bytes of what the reward printed beyond the scoring process's cap.
+    """
+
+    score: float
+    error: str | None = None
+    detail: str = ""
+    extras: dict[str, float] = field(default_factory=dict)
+    output_dropped: int = 0
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, numbers.Real):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    return None
+
+
+def _interpret(value: Any, on_error: float) -> RewardResult:
+    extras: dict[str, float] = {}
+    raw = value
+    if isinstance(value, dict):
+        if "score" not in value:
+            keys = sorted(map(str, value))
+            return RewardResult(on_error, "invalid", f"dict return without a 'score' key (keys: {keys})")
+        raw = value["score"]
+        for k, v in value.items():
+            if k != "score" and (f := _finite(v)) is not None:
+                extras[str(k)] = f
+            elif k != "score":
+                log.debug("reward extra %r dropped: %r is not a finite number", k, v)
+    s = _finite(raw)
+    if s is None:
+        return RewardResult(on_error, "invalid", f"score must be a finite number, got {raw!r:.200}")
+    return RewardResult(s, None, "", extras)
+
+
+async def _awaited(aw: Any) -> Any:
+    return await aw
+
+
+def evaluate(fn: RewardFn, response: str, answer: str, on_error: float) -> RewardResult:
+    """Run `fn(response, answer)` here and now (an async function is awaited on a fresh event loop); never
+    raises. No deadline: this runs inside a scoring process (app.rewards.pool.RewardProcesses), which its
+    parent kills at the deadline. Exceptions score `on_error` with error="exception" (logged as a warning),
+    a MemoryError (the process's memory limit) with error="oom"; NaN/inf or a non-numeric result gives
+    error="invalid"."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    try:
+        value = fn(response, answer)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+    except MemoryError as e:  # over the scoring process's limit (reward.max_memory_mb), or truly out
+        log.warning("reward function %s ran out of memory; scoring %s", name, on_error)
+        detail = f"MemoryError: {e}"[:DETAIL_CHARS]
+        return RewardResult(
+            on_error, "oom", f"{detail}; over reward.max_memory_mb? raise it if the reward needs that much"
+        )
+    except Exception as e:  # the reward's own bug or a bad input: scored, never raised
+        detail = f"{type(e).__name__}: {e}"[:DETAIL_CHARS]
+        log.warning("reward function %s raised %s; scoring %s", name, detail, on_error)
+        return RewardResult(on_error, "exception", detail)
+    try:
+        return _interpret(value, on_error)
+    except Exception as e:  # a pathological return value (e.g. a dict subclass that raises)
+        return RewardResult(on_error, "invalid", f"{type(e).__name__}: {e}"[:DETAIL_CHARS])
+
+
+def warm_up(fn: RewardFn) -> None:
+    """Do what `fn` does once, lazily (import math-verify and sympy; probe the code sandbox), so that the
+    first reward's deadline does not pay for it."""
+    if fn is math_reward:
+        import math_verify  # noqa: F401
+    if fn is code_reward:
+        from app.rewards.sandbox import isolation
+
+        isolation()

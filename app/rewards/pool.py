@@ -1,0 +1,536 @@
+"""The reward stage: trajectories are scored as they finish, on CPU workers, beside generation.
+
+The rollouter sends each sample of a group as its own request; the moment one finishes, its reward starts
+here while the rest of the group (and of the batch) is still generating, so a slow reward (compiling and
+running tests in the sandbox, a math-equivalence check) overlaps generation instead of following it.
+
+- `reward.workers = 0`: rewards are scored from the rollouter's event loop (waited on in a thread pool).
+- `reward.workers = N`: N Ray actors (`reward.worker_cpus` logical CPUs each), each running up to
+  `reward.max_concurrency` rewards at once; the pool sends each reward to the least busy worker.
+
+Either way a reward function runs in a `RewardProcesses` pool: long-lived scoring subprocesses (fresh
+interpreters, started by fork+exec: never a bare fork of a process that holds threads and locks), one
+reward at a time each, fed through pipes. A reward that misses `reward.timeout_s` has its process killed
+(SIGKILL, by pid) and replaced, so the deadline holds for any input (a sympy power tower holds the GIL:
+no thread could be stopped, not even the one waiting on the deadline) and an abandoned reward stops
+using CPU. Sandboxed programs a killed process started die with it (parent-death signals).
+
+Each scoring process has a memory limit (`reward.max_memory_mb`, as RLIMIT_DATA: heap and private
+mappings, not the shared libraries it maps), so a reward cannot take the memory of vLLM and the trainer:
+an allocation past it raises MemoryError there, the reward scores `on_error` (error "oom") and the process
+is replaced. What a reward prints (stdout and stderr, also of C code) reaches the parent through a pipe:
+the first OUTPUT_CAP_BYTES of each reward are logged, the rest is dropped and counted
+(`RewardResult.output_dropped`), so a reward that prints megabytes does not grow the run's log by as much.
+
+An exception, a timeout, an invalid value, a MemoryError or a dead process or worker scores
+`reward.on_error` and is counted by kind (`reward/errors_exception`, `_timeout`, `_invalid`, `_oom`,
+`_crash`). A dead worker is restarted by Ray (with a margin beyond `reward.timeout_s` for a worker that is
+itself stuck). Nothing here raises into the rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any
+
+from app.rewards import RewardResult, evaluate, resolve_reward_fn, warm_up
+
+log = logging.getLogger(__name__)
+
+WORKER_MARGIN_S = 30.0  # beyond reward.timeout_s before a worker itself counts as stuck
+STARTUP_TIMEOUT_S = 120.0
+"""Deadline to start a scoring process and import a reward's module (sympy, a user's torch import) on a
+loaded machine; not counted against `reward.timeout_s`."""
+_HEADER = struct.Struct("!I")
+_CHILD = "from app.rewards.pool import child_main; child_main()"
+_PR_SET_PDEATHSIG = 1
+OUTPUT_CAP_BYTES = 4096
+"""What is kept (and logged) of one reward's output, stdout and stderr together; the rest is dropped."""
+_DRAIN_READS = 16  # reads of the output pipe per drain: a reward printing without end cannot stall us
+
+
+class _Process:
+    """One scoring subprocess: length-prefixed JSON requests on its stdin, replies on its stdout; what it
+    prints (its stdout and stderr) on a third pipe, read as it comes and capped per request."""
+
+    def __init__(self, spec: str, on_error: float, max_memory_mb: int | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            close_fds=True,
+            start_new_session=True,  # a Ctrl-C to our group is ours to handle, not the scorers'
+        )
+        assert self.proc.stderr is not None
+        self.out_fd = self.proc.stderr.fileno()
+        os.set_blocking(self.out_fd, False)
+        self.out_open = True
+        self.output = bytearray()  # what the current request printed, up to OUTPUT_CAP_BYTES
+        self.dropped = 0  # bytes of it beyond the cap
+        self.ready: set[str] = set()  # data sources whose reward function this process has resolved
+        init = {"op": "init", "spec": spec, "on_error": on_error, "path": sys.path, "ppid": os.getpid()}
+        self.send({**init, "max_memory_mb": max_memory_mb})
+
+    def send(self, msg: dict[str, Any]) -> None:
+        data = json.dumps(msg).encode()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+
+    def recv(self, deadline: float) -> dict[str, Any] | None:
+        """The next reply, or None when `deadline` (monotonic) passes first; EOFError if the process died.
+        What the process prints meanwhile is drained, so that a full output pipe never blocks it."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        if not self._wait_reply(fd, deadline):
+            return None
+        head = _read_exact(fd, _HEADER.size, deadline)
+        if head is None:
+            return None
+        body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
+        return None if body is None else json.loads(body)
+
+    def _wait_reply(self, fd: int, deadline: float) -> bool:
+        """Until `fd` is readable (True) or `deadline` passes (False), draining the output pipe."""
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if self.out_open:
+            poller.register(self.out_fd, select.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            events = poller.poll(None if math.isinf(left) else left * 1000)
+            if any(efd == fd for efd, _ in events):
+                return True
+            if events and not self.drain():
+                poller.unregister(self.out_fd)  # the process closed it (or died): only the reply is left
+
+    def drain(self) -> bool:
+        """Read what the process printed so far, without blocking: the first OUTPUT_CAP_BYTES are kept,
+        the rest counted in `dropped`. False once the pipe is closed."""
+        for _ in range(_DRAIN_READS):
+            if not self.out_open:
+                return False
+            try:
+                chunk = os.read(self.out_fd, 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.out_open = False
+                return False
+            keep = min(len(chunk), max(0, OUTPUT_CAP_BYTES - len(self.output)))
+            self.output += chunk[:keep]
+            self.dropped += len(chunk) - keep
+        return self.out_open
+
+    def take_output(self) -> tuple[bytes, int]:
+        """(what the last request printed, up to the cap; bytes dropped beyond it), and start afresh."""
+        self.drain()
+        out, dropped = bytes(self.output), self.dropped
+        self.output, self.dropped = bytearray(), 0
+        return out, dropped
+
+    def kill(self) -> None:
+        """SIGKILL by pid (the process is our unreaped child: the pid cannot have been reused), reap."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def _read_exact(fd: int, n: int, deadline: float) -> bytes | None:
+    """`n` bytes from `fd`, or None at `deadline`; EOFError when the writer is gone."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    chunks: list[bytes] = []
+    while n > 0:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(None if math.isinf(left) else left * 1000):
+            return None
+        chunk = os.read(fd, n)
+        if not chunk:
+            raise EOFError("the scoring process exited")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+class RewardProcesses:
+    """Scores rewards in killable subprocesses, one reward per process at a time; thread-safe.
+
+    `score()` blocks its thread (call it from a thread pool, never on an event loop). Processes are kept
+    for reuse (at most `max_idle`), killed at a deadline, after a MemoryError or on any protocol failure,
+    and a killed one is replaced in the background, so the next reward does not pay for the start. All
+    processes are started by one long-lived thread: their parent-death signal fires when the *thread* that
+    started them exits. `max_memory_mb` (None: no limit) is each process's RLIMIT_DATA.
+    """
+
+    def __init__(
+        self,
+        spec: str,
+        timeout_s: float,
+        on_error: float,
+        max_idle: int = 8,
+        max_memory_mb: int | None = None,
+    ) -> None:
+        self.spec, self.timeout_s, self.on_error, self.max_idle = spec, timeout_s, on_error, max_idle
+        self.max_memory_mb = max_memory_mb
+        self.idle: list[_Process] = []
+        self.lock = threading.Lock()
+        self.spawner = ThreadPoolExecutor(1, thread_name_prefix="reward-spawner")
+        self.killed: deque[int] = deque(maxlen=64)  # pids last killed at a deadline (tests, reports)
+        self.output_dropped = 0  # bytes of reward output dropped beyond OUTPUT_CAP_BYTES, in total
+        self.output_capped = 0  # rewards whose output was cut
+
+    def _pop_idle(self) -> _Process | None:
+        with self.lock:
+            proc = self.idle.pop() if self.idle else None
+        if proc is not None and proc.proc.poll() is not None:  # died while idle: not this sample's fault
+            proc.kill()
+            return None
+        return proc
+
+    def _take(self) -> _Process:
+        """An idle process, else (on the spawner, after any replacement under way) a new one."""
+        return self._pop_idle() or self.spawner.submit(self._pop_or_start).result()
+
+    def _pop_or_start(self) -> _Process:
+        return self._pop_idle() or self._start()
+
+    def _start(self) -> _Process:
+        return _Process(self.spec, self.on_error, self.max_memory_mb)
+
+    def _give_back(self, proc: _Process) -> None:
+        with self.lock:
+            if len(self.idle) < self.max_idle:
+                self.idle.append(proc)
+                return
+        proc.kill()
+
+    def _replace(self, sources: set[str]) -> None:
+        """A warm process for one that was killed (runs on the spawner thread)."""
+        try:
+            proc = self._start()
+            for ds in sorted(sources):
+                failed = self._resolve(proc, ds)
+                self._log_output(proc)
+                if failed is not None:
+                    proc.kill()
+                    return
+        except (OSError, EOFError, ValueError) as e:
+            log.warning("could not start a replacement reward process: %s", e)
+            return
+        self._give_back(proc)
+
+    def score(self, data_source: str, response: str, answer: str) -> RewardResult:
+        """`fn(response, answer)` in a scoring process, within `timeout_s`; never raises. What it printed
+        is logged up to OUTPUT_CAP_BYTES; the bytes beyond are counted in `output_dropped`."""
+        proc = None
+        try:
+            proc = self._take()
+            res = self._resolve(proc, data_source) or self._evaluate(proc, data_source, response, answer)
+        except (OSError, EOFError, ValueError, TypeError) as e:  # could not start, died, garbled reply
+            dropped = 0
+            if proc is not None:
+                dropped = self._log_output(proc)
+                proc.kill()
+            log.warning("reward process crashed (%s: %s); scoring %s", type(e).__name__, e, self.on_error)
+            detail = f"reward process died: {type(e).__name__}: {e}"
+            return RewardResult(self.on_error, "crash", detail, output_dropped=dropped)
+        res.output_dropped = self._log_output(proc)
+        if res.error in ("timeout", "oom"):  # stuck, or holding memory it may never give back
+            if res.error == "timeout":
+                self.killed.append(proc.proc.pid)
+            proc.kill()
+            self.spawner.submit(self._replace, set(proc.ready))
+        else:
+            self._give_back(proc)
+        return res
+
+    def _log_output(self, proc: _Process) -> int:
+        """Log what `proc` printed for its last request (up to the cap); the count of bytes dropped."""
+        out, dropped = proc.take_output()
+        if out:
+            text = out.decode("utf-8", errors="replace").rstrip()
+            log.info("reward %s printed (scoring process %d):\n%s", self.spec, proc.proc.pid, text)
+        if dropped:
+            with self.lock:
+                self.output_dropped += dropped
+                self.output_capped += 1
+            log.warning(
+                "reward %s printed %d bytes more than the %d kept; dropped (%d bytes in %d rewards so far)",
+                self.spec,
+                dropped,
+                OUTPUT_CAP_BYTES,
+                self.output_dropped,
+                self.output_capped,
+            )
+        return dropped
+
+    def _resolve(self, proc: _Process, data_source: str) -> RewardResult | None:
+        """Make `proc` ready to score `data_source`; a RewardResult when that failed."""
+        if data_source in proc.ready:
+            return None
+        proc.send({"op": "resolve", "data_source": data_source})
+        reply = proc.recv(time.monotonic() + STARTUP_TIMEOUT_S)
+        if reply is None:
+            return RewardResult(
+                self.on_error, "timeout", f"resolving {self.spec!r} took over {STARTUP_TIMEOUT_S}s"
+            )
+        if reply.get("error"):
+            return RewardResult(self.on_error, "exception", str(reply["error"]))
+        proc.ready.add(data_source)
+        return None
+
+    def _evaluate(self, proc: _Process, data_source: str, response: str, answer: str) -> RewardResult:
+        proc.send({"op": "score", "data_source": data_source, "response": response, "answer": answer})
+        wait = self.timeout_s if 0 < self.timeout_s < math.inf else math.inf
+        reply = proc.recv(time.monotonic() + wait)
+        if reply is None:
+            log.warning(
+                "reward %s timed out after %ss; killed its process %d; scoring %s",
+                self.spec,
+                self.timeout_s,
+                proc.proc.pid,
+                self.on_error,
+            )
+            return RewardResult(
+                self.on_error,
+                "timeout",
+                f"reward {self.spec!r} ({data_source}) did not return within {self.timeout_s}s",
+            )
+        return RewardResult(**reply)
+
+    def close(self) -> None:
+        self.spawner.shutdown(wait=True)
+        with self.lock:
+            procs, self.idle = self.idle, []
+        for p in procs:
+            p.kill()
+
+
+def _read_msg(fd: int) -> dict[str, Any] | None:
+    head = _read_exact(fd, _HEADER.size, math.inf)
+    return None if head is None else json.loads(_read_exact(fd, _HEADER.unpack(head)[0], math.inf) or b"")
+
+
+def _die_with_parent(ppid: int) -> None:
+    """SIGKILL this process when the thread that started it exits (the pool's threads live as long as the
+    pool): a scorer must not outlive its rollouter or worker, least of all one stuck in a computation."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != ppid:  # the parent died before the prctl
+        os._exit(0)
+
+
+def _limit_memory(max_mb: int | None) -> None:
+    """This process's RLIMIT_DATA (soft and hard: the reward cannot raise it): `max_mb` MiB, None: none.
+
+    RLIMIT_DATA, not RLIMIT_AS: it counts the heap and private writable mappings (what a reward allocates),
+    not the address space of the shared libraries a reward's imports map (torch's are gigabytes). An
+    allocation past it fails with MemoryError. Programs the code sandbox starts from here inherit it,
+    under their own, smaller RLIMIT_AS (app.rewards.sandbox)."""
+    if max_mb is None:
+        return
+    limit = int(max_mb) * 2**20
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def _flush_output() -> None:
+    """Push what the reward printed into the output pipe before the reply: the parent reads it with it."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def child_main() -> None:
+    """The scoring process: resolve reward functions per data source, evaluate one request at a time."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(2, 1)  # what a reward prints goes to the output pipe (capped by the parent), never the protocol
+    fns: dict[str, Any] = {}
+    try:
+        init = _read_msg(proto_in)
+    except EOFError:
+        return
+    assert init is not None
+    _die_with_parent(init["ppid"])
+    _limit_memory(init.get("max_memory_mb"))
+    sys.path[:] = init["path"]  # dotted-path rewards import as in the parent
+    while True:
+        try:
+            msg = _read_msg(proto_in)
+        except EOFError:
+            return
+        assert msg is not None
+        ds = msg["data_source"]
+        if msg["op"] == "resolve":
+            try:
+                fns[ds] = resolve_reward_fn(init["spec"], ds)
+                warm_up(fns[ds])
+                reply: dict[str, Any] = {"error": None}
+            except Exception as e:
+                reply = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            reply = asdict(evaluate(fns[ds], msg["response"], msg["answer"], init["on_error"]))
+        _flush_output()
+        data = json.dumps(reply).encode()
+        os.write(proto_out, _HEADER.pack(len(data)) + data)
+
+
+class RewardWorker:
+    """One CPU reward worker (a Ray actor): its own pool of scoring processes."""
+
+    def __init__(
+        self,
+        spec: str,
+        timeout_s: float,
+        on_error: float,
+        concurrency: int = 8,
+        max_memory_mb: int | None = None,
+    ) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.spec = spec
+        self.fns: dict[str, Any] = {}
+        self.procs = RewardProcesses(spec, timeout_s, on_error, max(1, concurrency), max_memory_mb)
+        self.executor = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="reward")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def scorer_pids(self) -> list[int]:
+        """Pids of the idle scoring processes and of those killed at a deadline (for tests)."""
+        return [p.proc.pid for p in self.procs.idle] + [-pid for pid in self.procs.killed]
+
+    async def score(self, data_source: str, text: str, answer: str) -> dict[str, Any]:
+        if data_source not in self.fns:  # a bad spec raises here, as it always did, not in a subprocess
+            self.fns[data_source] = resolve_reward_fn(self.spec, data_source)
+        loop = asyncio.get_running_loop()
+        res = await loop.run_in_executor(self.executor, self.procs.score, data_source, text, answer)
+        return asdict(res)
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in one of this worker's threads: an environment's blocking step (app/envs), such as
+        code_feedback's sandboxed tests, run here beside the rewards instead of in the rollouter."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, fn, *args)
+
+
+class RewardPool:
+    """What the rollouter calls: `await pool.score(data_source, text, answer)` -> RewardResult."""
+
+    def __init__(self, reward_cfg: Any, name_prefix: str) -> None:
+        self.cfg = reward_cfg
+        self.workers: list[Any] = []
+        self.busy: list[int] = []
+        self.fns: dict[str, Any] = {}
+        n, conc = int(reward_cfg.workers), max(1, int(reward_cfg.max_concurrency))
+        self.procs: RewardProcesses | None = None
+        self.executor: ThreadPoolExecutor | None = None
+        if n > 0:
+            import ray
+
+            cls = ray.remote(RewardWorker)
+            self.workers = [
+                cls.options(
+                    name=f"{name_prefix}-reward-{i}",
+                    num_cpus=reward_cfg.worker_cpus,
+                    max_concurrency=reward_cfg.max_concurrency,
+                    max_restarts=-1,  # a worker killed by a hostile reward comes back
+                    max_task_retries=0,  # ...but the reward that killed it is not retried: it scores on_error
+                ).remote(
+                    reward_cfg.fn, reward_cfg.timeout_s, reward_cfg.on_error, conc, reward_cfg.max_memory_mb
+                )
+                for i in range(n)
+            ]
+            self.busy = [0] * n
+        else:  # threads that only wait on pipes: the event loop never blocks on a reward
+            c = reward_cfg
+            self.procs = RewardProcesses(c.fn, c.timeout_s, c.on_error, conc, c.max_memory_mb)
+            self.executor = ThreadPoolExecutor(conc, thread_name_prefix="reward")
+        self.sem = asyncio.Semaphore(max(1, n) * conc)
+
+    async def pids(self) -> list[int]:
+        return [await w.pid.remote() for w in self.workers]
+
+    async def score(self, data_source: str, text: str, answer: str) -> RewardResult:
+        async with self.sem:
+            if self.procs is not None:
+                if data_source not in self.fns:
+                    self.fns[data_source] = resolve_reward_fn(self.cfg.fn, data_source)
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self.executor, self.procs.score, data_source, text, answer)
+            return await self._remote(data_source, text, answer)
+
+    @contextlib.contextmanager
+    def _least_busy(self) -> Iterator[int]:
+        """The index of the worker with the fewest calls in flight, counted busy while the block runs."""
+        i = min(range(len(self.workers)), key=self.busy.__getitem__)
+        self.busy[i] += 1
+        try:
+            yield i
+        finally:
+            self.busy[i] -= 1
+
+    async def _remote(self, data_source: str, text: str, answer: str) -> RewardResult:
+        c = self.cfg
+        with self._least_busy() as i:
+            try:
+                ref = self.workers[i].score.remote(data_source, text, answer)
+                d = await asyncio.wait_for(ref, timeout=c.timeout_s + WORKER_MARGIN_S)
+                return RewardResult(**d)
+            except asyncio.TimeoutError:
+                return RewardResult(
+                    c.on_error, "timeout", f"reward worker {i} did not answer within {c.timeout_s}s + margin"
+                )
+            except Exception as e:
+                import ray
+
+                if isinstance(e, ray.exceptions.RayActorError):
+                    log.warning("reward worker %d died while scoring (restarting): %s", i, e)
+                    return RewardResult(c.on_error, "crash", f"reward worker {i} died: {type(e).__name__}")
+                return RewardResult(c.on_error, "exception", f"{type(e).__name__}: {e}")
+
+    async def offload(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` (blocking, picklable) beside generation: on the least busy reward worker when there are
+        any, sharing their concurrency with the rewards, else in a thread here. The environments' `Offload`
+        (app/envs/base.py). A worker that dies raises its RayActorError (the episode scores on_error); the
+        caller's deadline (env.step_timeout_s) bounds the wait."""
+        if not self.workers:
+            return await asyncio.to_thread(fn, *args)
+        async with self.sem:
+            with self._least_busy() as i:
+                return await self.workers[i].run.remote(fn, *args)
+
+    def close(self) -> None:
+        """Kill the local scoring processes (workers' processes die with their actors)."""
+        if self.procs is not None:
+            self.procs.close()

@@ -1,0 +1,621 @@
+"""The weight push protocol, both ends: a versioned, bucketed push from the trainer to every rollout replica.
+
+Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one replica):
+
+  join   Membership changes only between pushes. When a replica registers (start, autoscaling) or leaves,
+         trainer rank 0 opens a new *epoch*: it hosts a TCPStore on a fresh port and announces
+         (epoch, address, world, rank of each receiver) through the hub. Every member builds the same
+         stateless process group (gloo on CPU, NCCL on GPU) from that store, next to, never inside, the
+         trainer's default group, and acknowledges the epoch. A member that does not acknowledge within
+         the deadline is dropped and the epoch is formed again without it.
+  push   1. Rank 0 announces (version v, bucket plan) through the hub: names, shapes, dtypes and offsets
+            of every tensor in every flat bucket of at most `sync.bucket_mb` MiB.
+         2. Every trainer rank walks the buckets in the same order and gathers each bucket's full tensors
+            (an FSDP2 collective) in lock-step; only rank 0 packs and broadcasts. Rank 0 keeps gathering
+            even after a send failed, so the other ranks never wait in a gather rank 0 will not join.
+         3. Each receiver receives bucket by bucket, checksums each flat buffer, and loads it into its
+            model; at the end it sets its weight version to v (every token it samples afterwards carries v)
+            and acknowledges (v, checksums) through the hub.
+         4. The push is complete only when every member acknowledged v with checksums equal to the
+            trainer's, within `sync.timeout_s`. NCCL's own completion proves nothing (a broadcast to a dead
+            peer can "succeed"); a missing or wrong acknowledgement fails the push naming the replica, and
+            the next push forms a new epoch.
+
+  Versions only increase, except that a trainer restored from a checkpoint announces its (older) version and
+  the replicas roll back to it. Pushes do not overlap: one push is acknowledged (or failed) before the next is
+  announced. Under FSDP2 every trainer rank gathers each bucket (a collective), only rank 0 sends.
+
+On each replica a push is: pause generation -> flush (vLLM's pause returns once the engine is quiet; with
+`rollout.partial=keep` requests freeze and continue after resume) -> receive every bucket -> load it ->
+set the weight version -> resume -> acknowledge (version, checksums).
+
+The two ends, here:
+
+    TrainerSync   the trainer ranks' end: rank 0 owns the epoch (forms it, announces, checks the
+                  acknowledgements), every rank gathers (torch, Ray; used by the learner's loop)
+    ReplicaSync   a rollout replica's end (Ray, the engine through app/vllm)
+
+What both stand on (records, buckets, process groups, transports, the hub and the run control) is
+app/weights/.
+
+Replica side. `ReplicaSync.start` registers the replica with the hub and runs two loops in the replica's event loop:
+
+  weights  long-polls `WeightHub.next_instruction`: `Join` (build the epoch's transport in every vLLM worker),
+           `Push` (pause generation, receive and load in the workers, set the engine's weight version,
+           resume, acknowledge with checksums), `Leave`, `Unknown` (register again), `Idle`.
+  control  long-polls `RunControl.next_control`: `Abort` ends every in-flight generation (its tokens so far
+           return with finish reason 'abort') and acknowledges.
+
+A weight load and an abort never overlap (one lock). Version-gated join: a replica registered while a run is
+under way is admitted (its `start` returns) only after it received and verified the current weights.
+With `rollout.partial=off` a push drains the replica first (`GenerationGate`): requests already inside finish
+under the old weights, samples of theirs that vLLM queued behind `max_num_seqs` included, and new ones wait.
+The engine is reached only through app/vllm/engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from app.infra.ray_compat import current_actor
+from app.trainer.comm import bcast
+from app.vllm import engine as vla
+from app.weights.buckets import plan_buckets
+from app.weights.group import free_port, resolve_backend
+from app.weights.hub import check_acks
+from app.weights.records import (
+    Abort,
+    Ack,
+    Acks,
+    GroupInfo,
+    Join,
+    Leave,
+    Push,
+    PushPlan,
+    PushStats,
+    SyncError,
+    Unknown,
+    group_to_json,
+    plan_to_json,
+)
+from app.weights.transport import WeightTransport, make_transport
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.trainer.learner import Learner
+
+log = logging.getLogger("app.sync")  # the replica's end
+train_log = logging.getLogger("app.train")  # the trainer's end
+
+
+# ---------------------------------------------------------------------------------------------- trainer end
+
+
+class TrainerSync:
+    """Pushes the learner's weights to every replica. Rank 0 owns the transport's epoch; every rank gathers.
+
+    `hub` is the `WeightHub` actor handle; `cfg.sync.transport` names the transport (app/weights/transport.py)
+    and `cfg.sync.backend` its process group's backend.
+    """
+
+    def __init__(self, cfg: Any, learner: Learner, hub: Any, device: torch.device) -> None:
+        self.cfg, self.learner, self.hub, self.device = cfg, learner, hub, device
+        self.rank = learner.rank
+        self.transport_name = str(getattr(cfg.sync, "transport", "broadcast"))
+        if self.transport_name == "auto":  # the driver resolves it from placement (app/infra/resources.py)
+            self.transport_name = "broadcast"  # a bare TrainerSync (tests, benches) knows none
+        # an unknown name fails here, before any push; an unopened transport only walks the gathers
+        self.walker = make_transport(self.transport_name)
+        self.transport: WeightTransport | None = None  # rank 0's end of the current epoch
+        self.epoch: int | None = None  # that epoch's number
+        self.backend = resolve_backend(cfg.sync.backend, device)
+        self.last: PushStats | None = None
+
+    def _wait_for_a_replica(self, deadline: float) -> None:
+        """Every replica gone (died, being restarted by Serve): wait for one to register, until `deadline`."""
+        import ray
+
+        while not ray.get(self.hub.alive_count.remote()):
+            if time.monotonic() > deadline:
+                raise SyncError(
+                    "no rollout replica registered with the weight hub within the push's deadline "
+                    f"({self._budget_s():.0f}s: see push_budget_s); the Serve deployment has no running replica "
+                    "(see the Serve view of the dashboard)"
+                )
+            time.sleep(1.0)
+
+    def wait_for_rollout(self, timeout_s: float) -> float:
+        """Before the first push: wait until a replica has registered (the rollout deployment starts beside
+        the trainer, app/driver.py), at most `timeout_s` (`rollout.join_timeout_s`). Collective: every rank
+        polls with rank 0 each second, so no rank sits in one long collective. Returns the seconds waited."""
+        import ray
+
+        t0 = time.monotonic()
+        while not bcast(self.rank == 0 and bool(ray.get(self.hub.alive_count.remote(), timeout=30))):
+            waited = time.monotonic() - t0
+            if bcast(waited > timeout_s):
+                raise SyncError(
+                    f"no rollout replica registered with the weight hub within rollout.join_timeout_s="
+                    f"{timeout_s:.0f}s; the Serve deployment has no running replica (see the Serve view of the "
+                    "dashboard and the replica's log; a large model may need a longer rollout.join_timeout_s)"
+                )
+            time.sleep(1.0)
+        return time.monotonic() - t0
+
+    def _budget_s(self) -> float:
+        """How long one push may keep retrying (forming the group, re-forming it after a failure).
+
+        Recovery is bounded by time, not by a count of attempts: on a loaded machine a replica may need
+        several tries to join. The budget is `train.timeout_s` less two `sync.timeout_s` (one last attempt:
+        forming plus acknowledgements), so every trainer rank's wait for rank 0 stays within its collective
+        timeout (`train.timeout_s + sync.timeout_s + 60`, app/driver.py)."""
+        t, s = self.cfg.train.timeout_s, self.cfg.sync.timeout_s
+        return max(s, t - 2 * s)
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport, self.epoch = None, None
+
+    def _ensure_group(self, deadline: float) -> None:
+        """Rank 0: (re)form the epoch when there is none or the membership changed; drop who fails to join.
+        Tries again until `deadline` (members that failed to join register again and are retried)."""
+        import ray
+
+        self._close()
+        host = ray.util.get_node_ip_address()
+        tries, last = 0, "no replica"
+        while True:
+            self._wait_for_a_replica(deadline)
+            tries += 1
+            info: GroupInfo = ray.get(
+                self.hub.open_epoch.remote(
+                    host, free_port(), self.backend, self.cfg.sync.timeout_s, self.transport_name
+                )
+            )
+            if info.world > 1:  # else the last replica left between the check and the epoch
+                err = self._form(info)
+                if err is None:
+                    return
+                last = err
+            if time.monotonic() > deadline:
+                raise SyncError(
+                    f"could not form the weight group within {self._budget_s():.0f}s ({tries} tries; "
+                    f"replicas keep failing to join): {last}"
+                )
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+
+    def _form(self, info: GroupInfo) -> str | None:
+        """Open the transport of epoch `info`; None when every member joined, else why not (the members
+        that did not join are dropped: they register again for the next try)."""
+        import ray
+
+        s = self.cfg.sync
+        t0 = time.perf_counter()
+        transport = make_transport(self.transport_name)
+        try:
+            transport.open(info, self.device)
+        except Exception as e:  # someone did not join: find out who, drop them, form again
+            transport.close()
+            acks: Acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, 1.0))
+            train_log.warning("epoch %d did not form (%s); dropping %s", info.epoch, e, acks.missing)
+            ray.get(self.hub.drop.remote(acks.missing))
+            return f"epoch {info.epoch}: {e}"
+        acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, s.timeout_s))
+        try:
+            check_acks(acks, None, s.timeout_s)
+        except SyncError:
+            transport.close()
+            raise
+        self.transport, self.epoch = transport, info.epoch
+        train_log.info(
+            "weight group epoch %d formed (%s): %d receivers in %.2fs",
+            info.epoch,
+            self.transport_name,
+            info.world - 1,
+            time.perf_counter() - t0,
+        )
+        return None
+
+    def _announce(self, plan: Any, deadline: float) -> tuple[float, float]:
+        """Rank 0: announce `plan` to the current epoch, forming a new one first where there is none or the
+        hub refuses (the membership changed). Returns the seconds spent forming and announcing."""
+        import ray
+
+        group_s = announce_s = 0.0
+        for _ in range(2):  # at most: refused once (membership changed), formed, announced
+            if self.transport is None:
+                t0 = time.perf_counter()
+                self._ensure_group(deadline)
+                group_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ok = ray.get(self.hub.announce.remote(plan, self.epoch))
+            announce_s += time.perf_counter() - t0
+            if ok:
+                return group_s, announce_s
+            self._close()
+        raise SyncError(
+            f"the weight hub refused the announcement of v{plan.version} twice (membership churn)"
+        )
+
+    def _send(self, plan: Any) -> tuple[PushStats, str | None]:
+        """Every rank walks the plan (rank 0 sends); rank 0 then waits for and checks the acknowledgements."""
+        import ray
+
+        s = self.cfg.sync
+        err: str | None = None
+        stats = PushStats(version=plan.version)
+        try:
+            # every other rank takes part in the gathers (FSDP2 collectives) and sends nothing
+            sender = self.transport if self.rank == 0 and self.transport is not None else self.walker
+            stats = sender.send(plan, self.learner.gather, self.device)
+        except SyncError as e:
+            err = str(e)
+        if self.rank != 0:
+            return stats, err
+        t0 = time.perf_counter()
+        # after a transport failure (a receiver died mid-push) only collect who answered
+        ack_wait = s.timeout_s if err is None else min(5.0, s.timeout_s)
+        acks: Acks = ray.get(self.hub.wait_acks.remote("push", plan.version, ack_wait))
+        stats.ack_s = time.perf_counter() - t0
+        try:
+            check_acks(acks, stats.checksums if s.verify and not err else None, s.timeout_s)
+            stats.extra = {rid: a.as_dict() for rid, a in acks.got.items()}
+        except SyncError as e:
+            err = f"{err + '; ' if err else ''}{e}"
+            ray.get(self.hub.drop.remote(acks.missing + acks.failed))
+        return stats, err
+
+    def push(self, version: int) -> PushStats:
+        """Push `version` to every replica; collective over the trainer ranks. After a failure (a replica
+        died mid-push) the group re-forms without it and the push is tried again until the push's deadline
+        (`_budget_s`); every try ends in a collective, so all ranks agree on when to stop."""
+
+        s = self.cfg.sync
+        mb = float(getattr(s, getattr(self.walker, "bucket_setting", "bucket_mb"), s.bucket_mb))
+        plan = plan_buckets(self.learner.push_specs(), int(mb * 2**20), version)
+        t_start = time.perf_counter()
+        deadline = time.monotonic() + self._budget_s()
+        tries = 0
+        failures: list[str] = []
+        while True:
+            tries += 1
+            err: str | None = None
+            stats = PushStats(version=version)
+            group_s = announce_s = 0.0
+            if self.rank == 0:
+                try:
+                    group_s, announce_s = self._announce(plan, deadline)
+                except Exception as e:
+                    err = f"{e}"
+            if bcast(err is None):
+                stats, err = self._send(plan)
+            err = bcast(err)
+            if err is None:
+                stats.group_s, stats.announce_s, stats.failures = group_s, announce_s, failures
+                stats.wall_s = time.perf_counter() - t_start
+                self.last = stats
+                if self.rank == 0:
+                    train_log.info("%s", stats.summary())
+                return stats
+            train_log.warning("push of version %d failed (try %d): %s", version, tries, err)
+            failures.append(err)
+            if self.rank == 0:
+                self._close()
+            if bcast(time.monotonic() > deadline):  # rank 0's clock decides for every rank
+                raise SyncError(
+                    f"push of version {version} failed for {self._budget_s():.0f}s ({tries} tries): {err}"
+                )
+
+
+# ---------------------------------------------------------------------------------------------- replica end
+
+
+def _node_ip() -> str:
+    """The Ray node this replica runs on ('' outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else ""
+
+
+class GenerationGate:
+    """Generate requests enter through `admit()`. `drained()` closes the gate (new requests wait at it), waits
+    until every request inside finished (up to a deadline), and opens it again when its block ends.
+
+    vLLM's own `wait` pause lets only the running sequences finish: the samples of a request that its
+    scheduler still queues (behind `max_num_seqs`) would start after the load, under the new weights, and a
+    group would then hold samples of two versions."""
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        while not self._open.is_set():  # re-checked: a drain may have closed it again before we resumed
+            await self._open.wait()
+        self.inside += 1
+        self._empty.clear()
+        try:
+            yield
+        finally:
+            self.inside -= 1
+            if self.inside == 0:
+                self._empty.set()
+
+    @contextlib.asynccontextmanager
+    async def drained(self, timeout_s: float, what: str) -> AsyncIterator[None]:
+        self._open.clear()
+        try:
+            try:
+                await asyncio.wait_for(self._empty.wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:  # load anyway: the stragglers' later samples start after it
+                log.warning(
+                    "%s: %d requests still generating after %gs; loading anyway",
+                    what,
+                    self.inside,
+                    timeout_s,
+                )
+            yield
+        finally:
+            self._open.set()
+
+
+class ReplicaSync:
+    """The weight-group membership and run-control answers of one replica (`engine` is its AsyncLLM)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        replica_id: str,
+        *,
+        hub: Any,
+        control: str | None,
+        partial: str = "keep",
+        recompute_kv: bool = True,
+        drain_timeout_s: float = 120.0,
+        poll_s: float = 2.0,
+        metrics: Any = None,
+        started: float | None = None,
+    ) -> None:
+        self.engine, self.replica_id, self.hub = engine, replica_id, hub
+        self.control_name, self.control = control, None
+        self.partial, self.recompute_kv = partial, recompute_kv
+        self.gate = GenerationGate()  # partial=off: a push drains the replica first
+        self.drain_timeout_s = drain_timeout_s
+        self.poll_s, self.metrics = poll_s, metrics
+        self.started = started or time.time()
+        self.workers = 1  # tensor parallel size; each worker is one receiver rank
+        self.version = -1  # weights from disk, not yet verified against the trainer's
+        self.epoch = -1
+        self.abort_seen = -1  # run control's abort requests handled (set at start)
+        self.leaving = False
+        self.admitted = asyncio.Event()
+        self.last_error: str | None = None
+        self.dead: str | None = None  # why this replica can never serve again (its engine died)
+        self.lock = asyncio.Lock()  # a weight load and an abort never overlap
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self, join_timeout_s: float) -> None:
+        """Register, start both loops, and return once this replica may serve (see the module docstring)."""
+        await vla.set_version(self.engine, self.version)
+        need = await self.hub.register.remote(
+            self.replica_id, self.workers, self.started, _node_ip(), current_actor(), os.getpid()
+        )
+        self.control = self._find_control()
+        if self.control is not None:
+            self.abort_seen = await self.control.abort_count.remote()
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._weights_loop()), loop.create_task(self._control_loop())]
+        if need < 0:  # the run is starting: the trainer's first push comes before any rollout
+            self.admitted.set()
+            return
+        log.info("replica %s waits for the weights of version >= %d before serving", self.replica_id, need)
+        try:
+            await asyncio.wait_for(self.admitted.wait(), timeout=join_timeout_s)
+        except asyncio.TimeoutError:
+            for t in self.tasks:
+                t.cancel()
+            raise TimeoutError(
+                f"replica {self.replica_id} did not receive the current weights (version >= {need}) within "
+                f"rollout.join_timeout_s={join_timeout_s}s; last error: {self.last_error}; is the trainer "
+                "still pushing?"
+            ) from None
+        log.info("replica %s admitted at version %d", self.replica_id, self.version)
+
+    def _find_control(self) -> Any:
+        """The run-control actor, or None while it does not exist (then no one can ask for an abort)."""
+        if self.control_name is None:
+            return None
+        from app.weights.actors import get_actor
+
+        try:
+            return get_actor(self.control_name)
+        except ValueError:
+            return None
+
+    async def check_health(self) -> None:
+        """Raise when the engine is dead or a sync loop ended (a crash): Serve then replaces this replica."""
+        if not await self._engine_alive():
+            raise RuntimeError(f"replica {self.replica_id}: {self.dead}")
+        for t in self.tasks:
+            if t.done() and not self.leaving:
+                exc = t.exception() if not t.cancelled() else None
+                raise RuntimeError(f"weight-sync loop of replica {self.replica_id} stopped: {exc!r}")
+
+    async def stop(self) -> None:
+        """Leave the weight group cleanly (finishing a push already announced to this replica)."""
+        self.leaving = True
+        try:
+            if self.control is not None:
+                await asyncio.wait_for(self.control.detach.remote(self.replica_id), timeout=5)
+            await asyncio.wait_for(self.hub.leave.remote(self.replica_id), timeout=5)
+            await asyncio.wait_for(asyncio.shield(self.tasks[0]), timeout=20)
+        except Exception as e:  # the hub is gone (end of run) or a push never finished
+            log.info("replica %s: leaving without the hub's goodbye: %r", self.replica_id, e)
+        for t in self.tasks:
+            with contextlib.suppress(Exception):
+                t.cancel()
+
+    async def _engine_alive(self) -> bool:
+        """False once the engine died (its EngineCore process killed by the OOM killer, or crashed). The
+        replica then leaves the weight group and the run control at once, so no push or abort waits for it,
+        and its health check fails, so Serve replaces it (the replacement joins version-gated)."""
+        if not vla.engine_dead(self.engine):
+            return True
+        if self.dead is None:
+            self.dead = self.last_error = "its vLLM engine died (EngineCore process gone)"
+            log.error(
+                "replica %s: %s; leaving the weight group for Serve to replace it", self.replica_id, self.dead
+            )
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self.hub.drop.remote([self.replica_id], "its vLLM engine died"), timeout=10
+                )
+            if self.control is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.control.detach.remote(self.replica_id), timeout=10)
+        return False
+
+    # ------------------------------------------------------------ the loops
+
+    async def _weights_loop(self) -> None:
+        while True:
+            if not await self._engine_alive():  # checked every poll (poll_s): a dead engine leaves at once
+                raise RuntimeError(self.dead)
+            try:
+                instr = await self.hub.next_instruction.remote(
+                    self.replica_id, self.epoch, self.version, self.poll_s
+                )
+            except Exception as e:  # the hub is gone: the run is over or restarting
+                if self.leaving:
+                    return
+                self.last_error = f"hub unreachable: {e}"
+                await asyncio.sleep(self.poll_s)
+                continue
+            if isinstance(instr, Leave):
+                return
+            if isinstance(instr, Unknown):
+                await self.hub.register.remote(
+                    self.replica_id, self.workers, self.started, _node_ip(), current_actor(), os.getpid()
+                )
+            elif isinstance(instr, Join):
+                await self._join(instr)
+            elif isinstance(instr, Push):
+                async with self.lock:
+                    await self._receive(instr.plan, instr.announced_at)
+
+    async def _control_loop(self) -> None:
+        while not self.leaving and self.dead is None:
+            if self.control is None:
+                await asyncio.sleep(self.poll_s)
+                self.control = self._find_control()
+                continue
+            try:
+                instr = await self.control.next_control.remote(self.replica_id, self.abort_seen, self.poll_s)
+            except Exception as e:  # the control actor is gone: the run is over
+                self.last_error = f"run control unreachable: {e}"
+                await asyncio.sleep(self.poll_s)
+                continue
+            if isinstance(instr, Abort):
+                async with self.lock:
+                    await self._abort(instr.seq)
+
+    # ------------------------------------------------------------ the handlers
+
+    async def _abort(self, seq: int) -> None:
+        """End every in-flight generation now: each returns its tokens so far with finish reason 'abort'
+        (the rollouter saves them as partial rollouts in a checkpoint)."""
+        try:
+            await vla.pause(self.engine, "resubmit")
+            await vla.resume(self.engine)
+            ack = Ack(ok=True)
+        except Exception as e:
+            ack = Ack(ok=False, error=str(e))
+        self.abort_seen = seq
+        with contextlib.suppress(Exception):
+            await self.control.ack.remote(self.replica_id, seq, ack)
+
+    async def _join(self, instr: Join) -> None:
+        g = instr.group
+        try:
+            res = await vla.rpc(
+                self.engine,
+                "relay_join",
+                timeout=g.timeout_s + 5,
+                group_json=group_to_json(g),
+                first_rank=instr.rank,
+            )
+            self.epoch = g.epoch
+            await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail={"workers": res}))
+        except Exception as e:
+            self.last_error = f"join of epoch {g.epoch} failed: {e}"
+            log.warning("replica %s: %s", self.replica_id, self.last_error)
+            await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=False, error=str(e)))
+
+    async def _set_version(self, version: int) -> None:
+        self.version = version
+        await vla.set_version(self.engine, version)
+        if self.metrics is not None:
+            self.metrics.set("relay_replica_weight_version", version, {"replica": self.replica_id})
+
+    def _drained(self, version: int) -> contextlib.AbstractAsyncContextManager:
+        if self.partial != "off":
+            return contextlib.nullcontext()
+        return self.gate.drained(self.drain_timeout_s, f"replica {self.replica_id}, push of v{version}")
+
+    async def _receive(self, plan: PushPlan, announced_at: float = 0.0) -> None:
+        """Pause, receive and load in every worker, set the version, resume, acknowledge. The acknowledgement
+        carries each phase's seconds (`phases`): wake (announcement to here), drain, pause, receive (the
+        workers' RPC: transfer and load inside it), version, resume, and held (generation paused)."""
+        t0 = time.perf_counter()
+        ph: dict[str, float] = {"wake_s": max(0.0, time.time() - announced_at) if announced_at else 0.0}
+        try:
+            async with self._drained(plan.version):
+                t1 = time.perf_counter()
+                await vla.pause(self.engine, self.partial, self.recompute_kv)
+                t2 = time.perf_counter()
+                try:
+                    res = await vla.rpc(
+                        self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan)
+                    )
+                finally:
+                    t3 = time.perf_counter()
+                    await self._set_version(plan.version)
+                    t4 = time.perf_counter()
+                    await vla.resume(self.engine)
+                    t5 = time.perf_counter()
+            self.admitted.set()
+            ph.update(
+                drain_s=t1 - t0,
+                pause_s=t2 - t1,
+                receive_s=t3 - t2,
+                version_s=t4 - t3,
+                resume_s=t5 - t4,
+                held_s=t5 - t1,
+                transfer_s=max(r["transfer_s"] for r in res),
+                load_s=max(r["load_s"] for r in res),
+                worker_s=max(r["receive_s"] for r in res),
+            )
+            ack = Ack(
+                ok=True,
+                checksums=res[0]["checksums"],
+                detail={**ph, "acked_at": time.time()},
+            )
+            await self.hub.ack.remote(self.replica_id, "push", plan.version, ack)
+        except Exception as e:
+            self.last_error = f"receive of version {plan.version} failed: {e}"
+            log.warning("replica %s: %s", self.replica_id, self.last_error)
+            with contextlib.suppress(Exception):
+                await self.hub.ack.remote(self.replica_id, "push", plan.version, Ack(ok=False, error=str(e)))
+            self.epoch = -1  # rejoin at the next epoch

@@ -1,0 +1,20 @@
+"""What the weight push (app/sync.py, the protocol and both its ends) stands on. Torch alone unless named
+otherwise; nothing here imports vLLM or Ray at import time.
+
+    records.py    plans, group epochs, PushStats, hub instructions (Join | Push | Leave | Unknown | Idle),
+                  run-control instructions (Abort | Idle), acknowledgements (Ack, Acks with `missing`)
+    buckets.py    bucket planning, packing, checksums
+    group.py      the stateless process group of one epoch (gloo / NCCL, deadlines, NCCL abort)
+    transport.py  the data-plane seam: `WeightTransport` and its registry (`sync.transport`)
+    broadcast.py  the bucketed broadcast transport ("broadcast", the default)
+    ipc.py        the CUDA-IPC transport ("ipc": trainer and replicas on one GPU; `sync.transport=auto`)
+    hub.py        `WeightHub`: membership, epochs, announcements, acknowledgements (an async Ray actor)
+    control.py    `RunControl`: clean stop, trainer heartbeat, abort of in-flight generations (a Ray actor)
+    shared.py     what the hub and the run control share: waits for a change, calls to an actor or object
+    actors.py     both as named Ray actors of one run (Ray)
+
+Importing the package registers the built-in transports ("broadcast", "ipc") in `transport.TRANSPORTS`.
+"""
+
+from app.weights import broadcast as broadcast  # registers "broadcast"
+from app.weights import ipc as ipc  # registers "ipc" (trainer and replicas on one GPU)

@@ -1,0 +1,121 @@
+"""Bucket planning, packing and checksums: torch alone, the same on every trainer rank and every receiver."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from app.weights.records import Bucket, PushPlan, TensorSpec, dtype_of
+
+_dtype = dtype_of
+
+
+def plan_buckets(
+    specs: Iterable[tuple[str, tuple[int, ...], torch.dtype | str]], bucket_bytes: int, version: int
+) -> PushPlan:
+    """Pack tensors, in the given order, into flat buckets of one dtype and at most `bucket_bytes` each.
+
+    A tensor larger than `bucket_bytes` gets a bucket of its own. The order is kept so that every trainer
+    rank can gather in the same sequence.
+    """
+    buckets: list[Bucket] = []
+    cur: list[TensorSpec] = []
+    cur_dtype: str | None = None
+    cur_numel = 0
+
+    def close() -> None:
+        nonlocal cur, cur_numel
+        if cur:
+            buckets.append(
+                Bucket(index=len(buckets), dtype=cur_dtype or "float32", numel=cur_numel, tensors=tuple(cur))
+            )
+        cur, cur_numel = [], 0
+
+    for name, shape, dtype in specs:
+        dname = str(dtype).replace("torch.", "")
+        spec = TensorSpec(name=name, shape=tuple(int(s) for s in shape), dtype=dname)
+        itemsize = _dtype(dname).itemsize
+        if cur and (dname != cur_dtype or (cur_numel + spec.numel) * itemsize > bucket_bytes):
+            close()
+        cur_dtype = dname
+        cur.append(TensorSpec(name=name, shape=spec.shape, dtype=dname, offset=cur_numel))
+        cur_numel += spec.numel
+    close()
+    return PushPlan(version=version, buckets=tuple(buckets))
+
+
+_CK_COLS = 4096
+_CK_MIX = 0x9E3779B97F4A7C15
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def checksum(flat: torch.Tensor) -> str:
+    """Bit-level, position-sensitive checksum of a flat buffer, computed on its device.
+
+    The buffer's bytes are read in place as int64 words (its last 0-7 bytes as extra small words), laid out
+    as rows of 4096 words. Three int64 sums with wrap-around are kept: the plain sum, the sum weighted by row
+    and the sum weighted by column (so a moved word changes one of them). Wrap-around addition is
+    associative, so CPU and GPU reductions in any order agree bit for bit. Cost: two reads of the buffer
+    (row and column sums), a few small kernels and one device sync; no int64 copy of the buffer is made.
+    """
+    return _ck_format(_checksum_sums(flat).tolist())
+
+
+def _checksum_sums(flat: torch.Tensor) -> torch.Tensor:
+    """`checksum`'s three sums as an int64 tensor on the buffer's device, without a device sync."""
+    raw = flat.detach().contiguous().view(-1).view(torch.uint8)
+    n8 = raw.numel() // 8
+    head = raw[: n8 * 8]
+    if head.storage_offset() % 8:  # an int64 view needs 8-byte alignment; the values do not depend on it
+        head = head.clone()
+    words = head.view(torch.int64)
+    rows = n8 // _CK_COLS
+    grid = words[: rows * _CK_COLS].view(rows, _CK_COLS)
+    row_sums, col_sums = grid.sum(dim=1), grid.sum(dim=0)
+    sums = torch.stack(
+        [
+            col_sums.sum(),
+            (row_sums * _ramp(rows, raw.device)).sum(),
+            (col_sums * _ramp(_CK_COLS, raw.device)).sum(),
+        ]
+    )
+    if rows * _CK_COLS < n8 or n8 * 8 < raw.numel():  # a tail: words after the last full row, then bytes
+        tail = torch.cat([words[rows * _CK_COLS :], raw[n8 * 8 :].to(torch.int64)])
+        t = tail.sum()
+        sums = sums + torch.stack([t, t * (rows + 1), (tail * _ramp(tail.numel(), raw.device)).sum()])
+    return sums
+
+
+@functools.lru_cache(maxsize=64)
+def _ramp(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(1, n + 1, device=device, dtype=torch.int64)
+
+
+def _ck_format(sums: list[int]) -> str:
+    a, b, c = sums
+    return f"{a & _U64:016x}{(b + c * _CK_MIX) & _U64:016x}"
+
+
+def _ck_strings(sums: list[torch.Tensor]) -> list[str]:
+    """Format the per-bucket sums of a whole push with one device sync."""
+    return [_ck_format(v) for v in torch.stack(sums).tolist()] if sums else []
+
+
+def unpack(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor of `bucket` inside its received flat buffer."""
+    return [(t.name, flat[t.offset : t.offset + t.numel].view(t.shape)) for t in bucket.tensors]
+
+
+def pack_into(bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    for spec, t in zip(bucket.tensors, tensors, strict=True):
+        out[spec.offset : spec.offset + spec.numel].copy_(t.reshape(-1), non_blocking=True)
+    return out
+
+
+def iter_named_full(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for plain tensors and DTensors alike; gathering is a collective for DTensors."""
+    for name, t in named:
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield name, full.detach()

@@ -1,0 +1,234 @@
+"""The CUDA-IPC transport: trainer and replicas on one GPU, where NCCL cannot put two ranks on one device.
+
+Rank 0 packs each bucket into a staging buffer on its GPU and hands the receivers a CUDA IPC handle of that
+buffer (torch's `reduce_tensor`: the handle, the producer's ref counter and a CUDA event ordering the pack
+before every read). Each receiver (a vLLM worker on the same GPU) opens the handle once per push, checksums
+the bucket and loads it straight out of the trainer's memory into its parameters, and reports that done; the
+trainer then reuses the staging buffer for the next bucket. (An earlier version copied each bucket out first,
+so the trainer could pack the next one during the load: the copy cost more than the overlap saved.) The handles and descriptions travel through a gloo `StatelessGroup` of the same epoch
+(the one-byte-per-bucket control traffic of this transport); the bytes never leave the GPU.
+
+Versions, acknowledgements and checksums are the hub's, as for every transport. The receivers close their
+mappings at the end of each push, before acknowledging; the trainer frees its staging buffer when the walk
+ends (torch keeps its memory alive until every receiver's mapping is closed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import time
+from collections.abc import Iterator
+
+import torch
+
+from app.weights.broadcast import BroadcastTransport
+from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack
+from app.weights.group import StatelessGroup
+from app.weights.records import GroupInfo, PushPlan, PushStats, SyncError
+from app.weights.transport import Gather, Load, register_transport
+
+_META_BYTES = 4096  # one pickled IPC description (about 300 bytes) per bucket
+_UUID_BYTES = 16
+
+
+def _gpu_uuid(device: torch.device) -> torch.Tensor:
+    """The GPU's UUID as 16 bytes (a CPU tensor for the gloo group): both ends must be on the same GPU."""
+    raw = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    data = raw.bytes if hasattr(raw, "bytes") else str(raw).encode()[:_UUID_BYTES]
+    out = torch.zeros(_UUID_BYTES, dtype=torch.uint8)
+    out[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    return out
+
+
+@contextlib.contextmanager
+def plain_segments() -> Iterator[None]:
+    """CUDA allocations made inside are ordinary `cudaMalloc` segments even where the process runs with
+    expandable segments (train.cuda_alloc_conf): an IPC handle of an expandable segment makes its peer fetch
+    a file descriptor from this process (pidfd_getfd, which ptrace rules can refuse), an ordinary one not.
+    (torch's allocator setting is private API: this is its one use.)"""
+    conf = ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or "expandable_segments:true" not in conf.lower().replace(" ", ""):
+        yield
+        return
+    setter("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:True")
+
+
+def export_handle(t: torch.Tensor) -> bytes:
+    """A picklable description of CUDA tensor `t` (its IPC handle) that `open_handle` rebuilds elsewhere."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(t)
+    return pickle.dumps(args)
+
+
+def open_handle(meta: bytes, device: torch.device) -> torch.Tensor:
+    """Map the tensor described by `export_handle` into this process (on `device`: the producer's index
+    in its own process may differ from ours, the GPU is the same)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(pickle.loads(meta))
+    args[6] = device.index if device.index is not None else torch.cuda.current_device()
+    return rebuild_cuda_tensor(*args)
+
+
+@register_transport("ipc")
+class IpcTransport(BroadcastTransport):
+    """CUDA IPC buckets on one GPU; a gloo group of the epoch carries the handles and the copy-done signals."""
+
+    bucket_setting = "ipc_bucket_mb"  # its own bucket size: the stage is on the GPU, round trips cost
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")
+
+    def _connect(self, info: GroupInfo, rank: int, device: torch.device | str) -> None:
+        self.close()
+        self.device = torch.device(device)
+        self._check_device(self.device)
+        # the control traffic only: NCCL cannot put two ranks on one device
+        self.group = StatelessGroup(
+            info.host, info.port, rank, info.world, "gloo", info.timeout_s, info.epoch, "cpu"
+        )
+        self._check_same_gpu(rank)
+
+    @staticmethod
+    def _check_device(device: torch.device) -> None:
+        if device.type != "cuda":
+            raise SyncError(
+                f"sync.transport=ipc needs the trainer and the replicas on one CUDA GPU; this end is on "
+                f"{device}: use sync.transport=broadcast"
+            )
+
+    def _check_same_gpu(self, rank: int) -> None:
+        uuid = _gpu_uuid(self.device)
+        theirs = uuid.clone()
+        self.group.broadcast(theirs)
+        if rank != 0 and not torch.equal(uuid, theirs):
+            self.close()
+            raise SyncError(
+                "sync.transport=ipc: this replica is on another GPU than the trainer (CUDA IPC maps memory of "
+                "one GPU): use sync.transport=broadcast (sync.transport=auto picks ipc only on one-GPU clusters)"
+            )
+
+    def _signal(self, ok: bool) -> bool:
+        """A bucket's copy is done on every receiver (all-reduce of failures; rank 0 adds none)."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        work = self.group.pg.allreduce([flag])  # type: ignore[union-attr]
+        self.group.wait(work)  # type: ignore[union-attr]
+        return int(flag.item()) == 0
+
+    def _meta(self, meta: bytes | None = None) -> bytes:
+        """Rank 0 sends one description (empty: the trainer failed, no bucket follows); others receive it."""
+        buf = torch.zeros(_META_BYTES, dtype=torch.uint8)
+        if meta is not None:
+            if len(meta) + 4 > _META_BYTES:
+                raise SyncError(f"IPC description of {len(meta)} bytes exceeds {_META_BYTES}")
+            buf[:4] = torch.tensor(list(len(meta).to_bytes(4, "little")), dtype=torch.uint8)
+            buf[4 : 4 + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        self.group.broadcast(buf)  # type: ignore[union-attr]
+        n = int.from_bytes(bytes(buf[:4].tolist()), "little")
+        return bytes(buf[4 : 4 + n].numpy().tobytes())
+
+    def send(self, plan: PushPlan, gather: Gather, device: torch.device | str) -> PushStats:
+        """Walk every bucket (gathers are collectives on every rank); rank 0 (with a group) exports them."""
+        stats = PushStats(version=plan.version, nbytes=plan.nbytes, buckets=len(plan.buckets))
+        t_start = time.perf_counter()
+        error: BaseException | None = None
+        sums: list[torch.Tensor] = []
+        stage: torch.Tensor | None = None
+        if self.group is not None and plan.buckets:
+            most = max(b.numel * _dtype(b.dtype).itemsize for b in plan.buckets)
+            with plain_segments():
+                stage = torch.empty(most, dtype=torch.uint8, device=device)
+        for bucket in plan.buckets:
+            t0 = time.perf_counter()
+            tensors = gather([t.name for t in bucket.tensors])
+            t1 = time.perf_counter()
+            stats.gather_s += t1 - t0
+            if stage is None or error is not None:
+                continue
+            try:
+                nbytes = bucket.numel * _dtype(bucket.dtype).itemsize
+                flat = stage[:nbytes].view(_dtype(bucket.dtype))
+                pack_into(bucket, tensors, flat)
+                sums.append(_checksum_sums(flat))
+                # packed before any receiver reads (torch's IPC event orders only a handle's first opening)
+                if flat.is_cuda:
+                    torch.cuda.current_stream(flat.device).synchronize()
+                t2 = time.perf_counter()
+                stats.pack_s += t2 - t1
+                meta = export_handle(flat)
+            except Exception as e:  # keep walking: the other ranks are waiting in the gathers
+                error = e
+                self._tell_failed()
+                continue
+            try:
+                self._meta(meta)
+                if not self._signal(True):
+                    error = SyncError(f"a receiver failed to copy bucket {bucket.index}")
+            except Exception as e:  # the group broke (a receiver died): every end fails on its own
+                error = e
+            stats.transfer_s += time.perf_counter() - t2
+        stats.checksums = _ck_strings(sums) if error is None else []
+        del stage  # receivers closed their mappings with their last copy; torch frees it when they did
+        stats.total_s = time.perf_counter() - t_start
+        if error is not None:
+            raise SyncError(f"weight push v{plan.version} failed in the IPC transport: {error}") from error
+        return stats
+
+    def _tell_failed(self) -> None:
+        """Best effort: an empty description tells the receivers that no more buckets come."""
+        with contextlib.suppress(Exception):  # the group itself is broken: the receivers fail on their own
+            self._meta(b"")
+
+    def receive(
+        self, plan: PushPlan, load: Load, device: torch.device | str
+    ) -> tuple[list[str], dict[str, float]]:
+        if self.group is None:
+            raise SyncError(
+                f"receive of v{plan.version} before a join: this worker is not in the weight group"
+            )
+        dev = torch.device(device)
+        sums: list[torch.Tensor] = []
+        timing = {"transfer_s": 0.0, "load_s": 0.0}
+        opened: dict[bytes, torch.Tensor] = {}  # handle -> mapping, closed when this push ends
+        try:
+            for bucket in plan.buckets:
+                t0 = time.perf_counter()
+                meta = self._meta()
+                if not meta:
+                    raise SyncError(f"the trainer failed before bucket {bucket.index} of v{plan.version}")
+                t1 = time.perf_counter()
+                err = None
+                try:  # straight from the trainer's staging buffer: no copy of our own
+                    flat = self._mapped(meta, opened, dev)
+                    sums.append(_checksum_sums(flat))
+                    load(unpack(bucket, flat))
+                    if flat.is_cuda:  # read before the trainer may overwrite the stage
+                        torch.cuda.current_stream(dev).synchronize()
+                except Exception as e:  # still signal: every end must learn of it at the same bucket
+                    err = e
+                t2 = time.perf_counter()
+                if not self._signal(err is None):
+                    raise SyncError(
+                        f"bucket {bucket.index} of v{plan.version} failed: {err or 'another receiver'}"
+                    )
+                timing["transfer_s"] += (t1 - t0) + (time.perf_counter() - t2)
+                timing["load_s"] += t2 - t1
+        finally:
+            opened.clear()
+        return _ck_strings(sums), timing
+
+    def _mapped(self, meta: bytes, opened: dict[bytes, torch.Tensor], dev: torch.device) -> torch.Tensor:
+        """This bucket's bytes in the trainer's staging buffer, mapped into this process."""
+        src = open_handle(meta, dev)
+        # keep the first mapping of the staging buffer all push long: torch's cache then maps it only once
+        opened.setdefault(pickle.loads(meta)[7], src)
+        return src
