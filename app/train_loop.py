@@ -78,8 +78,7 @@ def begin(t: Trainer, st: RunState) -> None:
     waited = t.sync.wait_for_rollout(t.cfg.rollout.join_timeout_s)
     if waited > 1:
         log.info("the first rollout replica registered after %.1fs", waited)
-    t.sync.push(st.version)
-    st.pushed = st.version
+    push_version(t, st, "the first weights", notify=False)
     if t.lead:
         if st.restored_from is None or st.val_last is None:
             st.val_first = st.val_last = t.validator.run(st.version, st.step)
@@ -106,13 +105,8 @@ def next_batch(t: Trainer, st: RunState, more: bool) -> tuple[Batch, str | None]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-batch") as pool:
         fut = pool.submit(_fetch_batch, t, st.version, more) if t.lead else None
         while (state := bcast(_wait_state(t, fut))) != "done":
-            if state == "join":
-                t.monitor.phase(f"pushing version {st.version} to a replica that joined")
-                t.sync.push(st.version)
-                if st.pushed != st.version:
-                    st.pushed = st.version
-                    if t.lead:
-                        t.source.on_push(st.version)
+            if state == "join":  # its stats go into the next step's metrics (rollout/join_s)
+                t.between.append(push_version(t, st, "to a replica that joined"))
         return bcast(fut.result() if fut is not None else None)
 
 
@@ -197,15 +191,21 @@ def count_skipped(t: Trainer, st: RunState, stats: dict[str, float], batch: Batc
 
 def push_weights(t: Trainer, st: RunState, step: int, last: bool) -> PushStats | None:
     """Push the new version if the mode pushes after this step (collective)."""
-    push = None
-    if t.source.should_push(step, last):
-        t.monitor.phase(f"pushing version {st.version}")
-        push = t.sync.push(st.version)
-        st.pushed = st.version
-        if t.lead:
-            t.source.on_push(st.version)
+    stats = push_version(t, st, "after the step") if t.source.should_push(step, last) else None
     st.t_loop_end = time.perf_counter()
-    return push
+    return stats
+
+
+def push_version(t: Trainer, st: RunState, why: str, notify: bool = True) -> PushStats:
+    """The loop's one push: the current version to every replica (collective, every rank), checked by
+    checksum; then the mode hears of a new version (`notify`: not before its stream started)."""
+    t.monitor.phase(f"pushing version {st.version} ({why})")
+    stats = t.sync.push(st.version)
+    new = st.pushed != st.version
+    st.pushed = st.version
+    if new and notify and t.lead:
+        t.source.on_push(st.version)
+    return stats
 
 
 def report(
@@ -219,9 +219,10 @@ def report(
     push: PushStats | None,
 ) -> None:
     """Rank 0: metrics to the tracker and Prometheus, the accounting log, validation, progress."""
+    between, t.between = t.between, []
     if not t.lead:
         return
-    m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step)
+    m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step, between)
     t.tracker.metrics(m, step)
     t.accounting.append(step, st.version - 1, batch.groups)
     t.accounting.append_filtered(step, batch.filtered)
@@ -253,8 +254,7 @@ def finish(t: Trainer, st: RunState) -> None:
         val = t.source.stop(t.validator, st.step)
         st.val_last = st.val_last if val is None else val
     if st.pushed != st.version:  # the data ran out between pushes: the replicas get the final weights too
-        t.sync.push(st.version)
-        st.pushed = st.version
+        push_version(t, st, "the final weights", notify=False)
     if t.lead and t.validator.validated != st.version:
         st.val_last = t.validator.run(st.version, st.step)
     final = t.run_dir / "final"

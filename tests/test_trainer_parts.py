@@ -48,6 +48,12 @@ def test_step_metrics_by_hand():
     # no push this step (fully_async between pushes): no sync metrics
     m = step_metrics(STATS, batch, t, None, version=6, pushed=4, step=3)
     assert "sync/time_s" not in m and m["weight/pushed_version"] == 4
+    # a replica admitted by a push made while the step waited for its batch (the loop's join push): its join
+    # time is this step's, with or without a push after the step
+    joined = PushStats(version=5, nbytes=1000)
+    joined.extra = {"r2": {"held_s": 0.1, "join_s": 4.0}}
+    assert step_metrics(STATS, batch, t, None, 6, 4, step=3, between=[joined])["rollout/join_s"] == 4.0
+    assert step_metrics(STATS, batch, t, push, 6, 6, step=3, between=[joined])["rollout/join_s"] == 4.0
 
 
 def test_trained_log_appends_and_truncates(tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ class Trainer:
     tracker: Any = None  # rank 0: app.infra.tracking.Tracker
     validator: Validator | None = None  # rank 0
     bar: Any = None  # rank 0: the progress bar, from the loop's start
+    between: list = field(default_factory=list)  # PushStats of pushes made while waiting for a batch
 
     @property
     def lead(self) -> bool:

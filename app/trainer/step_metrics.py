@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +43,12 @@ def step_metrics(
     version: int,
     pushed: int,
     step: int,
+    between: Sequence[PushStats] = (),
 ) -> dict[str, float]:
     """Metrics of step `step` (1-based) that trained `batch` into weights `version` (`pushed`: the replicas').
 
-    Staleness is counted against `version - 1`, the weights the batch was trained with.
+    Staleness is counted against `version - 1`, the weights the batch was trained with. `between`: the pushes
+    made while the step waited for its batch (to a replica that joined): their join times count here too.
     """
     idle = t.wait_s + t.overlap_wait_s
     m: dict[str, Any] = {**stats, **batch_metrics(batch), **staleness(batch, version - 1), **batch.extra}
@@ -64,6 +67,9 @@ def step_metrics(
     )
     if push is not None:
         m.update(push_metrics(push, step))
+    joins = [x["join_s"] for p in between for x in p.extra.values() if "join_s" in x]
+    if joins and step > 1:
+        m["rollout/join_s"] = max([*joins, m.get("rollout/join_s", 0.0)])
     return m
 
 
