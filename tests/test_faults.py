@@ -287,3 +287,29 @@ def test_a_stale_ray_cluster_record_is_forgotten_and_a_live_one_kept(tmp_path):
         assert forget_stale_cluster_address(str(record)) is None and record.read_text() == address
     record.write_text(address)  # the listener is closed: nothing answers there now
     assert forget_stale_cluster_address(str(record)) == address and not record.exists()
+
+
+def test_serve_started_by_two_drivers_at_once_is_joined_not_failed():
+    """Two runs started at once on a fresh cluster both create Serve's controller; the second's
+    ActorAlreadyExistsError means "it exists now": the call is made again (under a deadline) and connects."""
+    from ray.exceptions import ActorAlreadyExistsError
+
+    from app.infra.ray_compat import while_serve_starts
+
+    calls = []
+
+    def deploy():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ActorAlreadyExistsError("Actor with name 'SERVE_CONTROLLER_ACTOR' already exists")
+        return "deployed"
+
+    assert while_serve_starts(deploy) == "deployed" and len(calls) == 3
+
+    def never():
+        raise ActorAlreadyExistsError("Actor with name 'SERVE_CONTROLLER_ACTOR' already exists")
+
+    t0 = time.monotonic()
+    with pytest.raises(ActorAlreadyExistsError):
+        while_serve_starts(never, timeout_s=0.5)
+    assert time.monotonic() - t0 < 5

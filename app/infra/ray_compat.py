@@ -9,7 +9,8 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
     replica_id                ray.serve.get_replica_context().replica_id.unique_id (beta API; the
                               `ReplicaID.unique_id` attribute is not documented)
     deploy_app                ray.serve.run_many (developer API): start deploying an application without
-                              waiting for its replicas (serve.run has no public way not to wait)
+                              waiting for its replicas (serve.run has no public way not to wait); through
+                              while_serve_starts: Serve's controller created by two drivers at once
     delete_app                ray.serve.delete(_blocking=...) (private argument): delete an application,
                               waiting for its replicas' graceful shutdown or not
     serve_http_port           ray.serve.context._get_global_client().http_config (private): the port
@@ -23,7 +24,11 @@ costs nothing.
 from __future__ import annotations
 
 import os
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class _NoBar:
@@ -78,7 +83,23 @@ def deploy_app(
     target = RunTarget(
         target=app, name=name, route_prefix=route_prefix, external_scaler_enabled=external_scaler_enabled
     )
-    serve.run_many([target], wait_for_applications_running=False)
+    while_serve_starts(lambda: serve.run_many([target], wait_for_applications_running=False))
+
+
+def while_serve_starts(call: Callable[[], T], timeout_s: float = 60.0) -> T:
+    """`call()` (a Serve API call that starts Serve's controller when none runs), again while another driver
+    is creating that controller: two runs started at once on a fresh cluster both try to create it, and
+    the second gets `ActorAlreadyExistsError` (SERVE_CONTROLLER_ACTOR) instead of connecting to it."""
+    from ray.exceptions import ActorAlreadyExistsError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except ActorAlreadyExistsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def delete_app(name: str, wait: bool) -> None:

@@ -122,7 +122,9 @@ def start_http(port: int) -> int:
     from app.infra import ray_compat
     from app.weights.group import free_port
 
-    serve.start(http_options={"host": "127.0.0.1", "port": port or free_port()})
+    ray_compat.while_serve_starts(
+        lambda: serve.start(http_options={"host": "127.0.0.1", "port": port or free_port()})
+    )
     actual = ray_compat.serve_http_port()
     if port and actual != port:
         log.warning(
