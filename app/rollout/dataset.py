@@ -188,9 +188,9 @@ class Prepare:
         return self.tokenize(self.normalize(batch))
 
 
-def read_prompts(path: str, limit: int = 0):
+def read_records(path: str, limit: int = 0):
     """The raw records of one prompt file (`limit` > 0: its first `limit` rows) as a Ray Data dataset, read on
-    this node (`PromptFile`); `prompt_dataset` checks and tokenizes them."""
+    this node (`PromptFile`)."""
     import ray
 
     configure_data_context()
@@ -199,6 +199,22 @@ def read_prompts(path: str, limit: int = 0):
         check_columns(p, _parquet_columns(p))
     ds = ray.data.read_datasource(_prompt_file(str(p)), num_cpus=0.25)
     return ds.limit(limit) if limit > 0 else ds
+
+
+def read_prompts(path: str, limit: int = 0):
+    """The checked rows of one prompt file (`limit` > 0: its first `limit` rows) as a Ray Data dataset of
+    `plain_row` columns, untokenized. Errors (raised when the dataset executes) name the file and the row /
+    line."""
+    import ray
+
+    return read_records(path, limit).map_batches(
+        Normalize,
+        fn_constructor_args=(str(check_path(path)),),
+        batch_format="pyarrow",
+        batch_size=1024,
+        compute=ray.data.ActorPoolStrategy(size=1),
+        num_cpus=0.25,
+    )
 
 
 def configure_data_context() -> None:
@@ -269,7 +285,7 @@ def prompt_dataset(path: str, tokenizer_path: str, max_prompt_tokens: int, trunc
     row / line."""
     import ray
 
-    return read_prompts(path, limit).map_batches(
+    return read_records(path, limit).map_batches(
         Prepare,
         fn_constructor_args=(str(check_path(path)), tokenizer_path, max_prompt_tokens, truncation),
         batch_format="pyarrow",
