@@ -471,10 +471,7 @@ class AlgorithmConfig(_Section):
     def check(self, prefix: str) -> None:
         super().check(prefix)
         for name in ("mode", "correction"):
-            key = f"{prefix}{name}"
-            keys = _registry_keys(*REGISTRIES[key])
-            if keys is not None:
-                _check_choice(key, getattr(self, name), keys, f" (the keys of {'.'.join(REGISTRIES[key])})")
+            _check_registry(f"{prefix}{name}", getattr(self, name))
         _check(
             f"{prefix}max_staleness",
             self.mode != "fully_async" or self.max_staleness >= self.sync_every - 1,
@@ -589,10 +586,8 @@ class EnvConfig(_Section):
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
-        key = f"{prefix}name"
-        keys = _registry_keys(*REGISTRIES[key])
-        if self.name and keys is not None:
-            _check_choice(key, self.name, keys, f' (the keys of {".".join(REGISTRIES[key])}; "" for none)')
+        if self.name:
+            _check_registry(f"{prefix}name", self.name, '; "" for none')
         _check(
             f"{prefix}agent",
             self.name != "openai_agent" or ":" in self.agent,
@@ -872,6 +867,23 @@ def _check_choice(key: str, value: Any, valid: tuple[Any, ...], where: str = "")
 def _check(key: str, ok: bool, what: str) -> None:
     if not ok:
         raise ConfigError(f"invalid value for '{key}': {what}")
+
+
+def _check_registry(key: str, value: str, none: str = "") -> None:
+    """`value` is a key of `key`'s registry (REGISTRIES), or a `pkg.module:Name` that imports (app/plugins.py:
+    the same loader the run uses), so a typo fails here, before Ray starts."""
+    from app.plugins import PluginError, is_dotted, resolve
+
+    if isinstance(value, str) and is_dotted(value):
+        try:
+            resolve(key, value)
+        except PluginError as e:
+            raise ConfigError(f"invalid value for {e}") from None
+        return
+    keys = _registry_keys(*REGISTRIES[key])
+    if keys is not None:
+        where = f" (the keys of {'.'.join(REGISTRIES[key])}{none}; or pkg.module:Name)"
+        _check_choice(key, value, keys, where)
 
 
 def _registry_keys(module: str, attr: str) -> tuple[str, ...] | None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from app.plugins import resolve
 from app.records import Batch
 from app.sync import TrainerSync
 from app.trainer.accounting import TrainedLog
@@ -329,7 +330,7 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
         rank=learner.rank,
         learner=learner,
         sync=TrainerSync(cfg, learner, actors.hub, device),
-        source=SOURCES[cfg.algorithm.mode](cfg, actors),
+        source=resolve("algorithm.mode", cfg.algorithm.mode, SOURCES)(cfg, actors),
         actors=actors,
         run_dir=run_dir,
         model_path=config["model_path"],

@@ -33,11 +33,9 @@ def make_factory(name: str, cfg: Any, offload: Offload = in_thread) -> EnvFactor
     work through `offload` (the rollouter passes its reward pool's: on reward workers when there are any)."""
     if not name:
         return None
-    if name not in ENVIRONMENTS:
-        raise ValueError(
-            f"env.name={name!r} is not a registered environment; choose one of {sorted(ENVIRONMENTS)}"
-        )
-    return ENVIRONMENTS[name](cfg, offload)
+    from app.plugins import resolve
+
+    return resolve("env.name", name, ENVIRONMENTS)(cfg, offload)
 
 
 __all__ = ["ENVIRONMENTS", "EnvFactory", "EnvStep", "Environment", "Offload", "in_thread", "make_factory"]

@@ -18,7 +18,6 @@ The reward stage, in this package:
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -37,7 +36,6 @@ RewardFn = Callable[[str, str], float | dict]
 
 _NUMBER = re.compile(r"(?:(?<![\w.])-)?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?")
 _AFTER_HASHES = re.compile(r"\s*([-+]?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -143,21 +141,17 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
         f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'math', 'code' or a dotted path "
         "'pkg.module:function' to a function importable from the working directory (PYTHONPATH)"
     )
+    from app.plugins import PluginError, resolve
+
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
-    else:
+    else:  # `pkg.module.function`, the older form: the last dot
         module_name, _, attr = spec.rpartition(".")
-    if not module_name or not attr or not _IDENT.match(module_name) or not _IDENT.match(attr):
-        raise ValueError(f"{hint}; {spec!r} is not of that form")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ValueError(f"{hint}; cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{hint}; module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj: Any = resolve("reward.fn", f"{module_name}:{attr}" if module_name and attr else spec)
+    except PluginError as e:
+        reason = str(e).split("; ", 1)[-1]
+        raise ValueError(f"{hint}; {reason}") from e
     if not callable(obj):
         raise ValueError(f"{hint}; {attr!r} in {module_name!r} is a {type(obj).__name__}, not a function")
     try:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from app.plugins import resolve
 from app.records import Batch, Group
 from app.rollout.episode import env_metrics
 from app.trainer import grpo
@@ -300,7 +301,7 @@ class Learner:
 
         hf = AutoConfig.from_pretrained(model_path)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
-        self.loss_fn = LOSSES[cfg.algorithm.correction]
+        self.loss_fn = resolve("algorithm.correction", cfg.algorithm.correction, LOSSES)
 
     def step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (collective: every rank calls it with the same batch).

@@ -18,7 +18,6 @@ so a transport defined outside app/ registers itself on import and needs no edit
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -71,11 +70,13 @@ def register_transport(name: str) -> Callable[[type], type]:
 def transport_class(name: str) -> type[WeightTransport]:
     """The transport registered as `name`; `pkg.module:Name` imports the module first (which may register
     `Name`, or define a class of that name)."""
-    if name not in TRANSPORTS and ":" in name:
+    from app.plugins import import_module, is_dotted, resolve
+
+    if name not in TRANSPORTS and is_dotted(name):
         module, _, attr = name.partition(":")
-        mod = importlib.import_module(module)
+        import_module(f"sync.transport={name!r}", module)  # it may register `attr` (the class decorator)
         if name not in TRANSPORTS:
-            TRANSPORTS[name] = TRANSPORTS.get(attr) or getattr(mod, attr)
+            TRANSPORTS[name] = TRANSPORTS.get(attr) or resolve("sync.transport", name)
     try:
         return TRANSPORTS[name]
     except KeyError:

@@ -27,7 +27,6 @@ cancels the agent (the sample goes back as an empty partial one) and a restored 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -108,12 +107,14 @@ def resolve_agent(spec: str) -> Any:
     hint = f"env.agent={spec!r}: expected 'pkg.module:function', an async function (base_url, row) -> reward"
     if not module or not attr:
         raise ValueError(f"{hint}; {spec!r} is not of that form")
+    from app.plugins import PluginError, resolve
+
     try:
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{hint}; cannot import it ({type(e).__name__}: {e})") from e
+        obj: Any = resolve("env.agent", spec)
+    except PluginError as e:
+        cause = e.__cause__
+        why = f"{type(cause).__name__}: {cause}" if cause else str(e).rsplit("; ", 1)[-1]
+        raise ValueError(f"{hint}; cannot import it ({why})") from e
     if not callable(obj):
         raise ValueError(f"{hint}; {attr!r} is a {type(obj).__name__}, not a function")
     try:
