@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -44,20 +43,26 @@ def _prompts(cache_dir: Path, path: Path, n: int) -> list[str]:
     return [r.uid for r in rows]
 
 
-CASES = {  # partial: (correction, max_staleness, over_bound)
-    "keep": ("decoupled", 1.0, "train"),
-    "resubmit": ("tis", 0.5, "train"),
-    "off": ("none", 2.0, "regenerate"),
-}
+@pytest.mark.parametrize(
+    "partial,correction,eta,over_bound",
+    [
+        ("keep", "decoupled", 1.0, "train"),
+        ("resubmit", "tis", 0.5, "train"),
+        ("off", "none", 2.0, "regenerate"),
+    ],
+)
+def test_fully_async_drains_the_data_once_within_the_bound(
+    partial, correction, eta, over_bound, ray_cluster, cache_dir, tmp_path
+):
+    from mlflow.tracking import MlflowClient
 
-
-def _cmd(ray_cluster, cache_dir, tmp: Path, partial: str) -> list[str]:
-    correction, eta, over_bound = CASES[partial]
-    return train_cmd(
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 20)
+    name = f"async-{partial}"
+    cmd = train_cmd(
         ray_cluster,
         cache_dir,
-        tmp,
-        f"async-{partial}",
+        tmp_path,
+        name,
         "algorithm.mode=fully_async",
         f"algorithm.max_staleness={eta}",
         f"algorithm.correction={correction}",
@@ -76,52 +81,14 @@ def _cmd(ray_cluster, cache_dir, tmp: Path, partial: str) -> list[str]:
         # recomputing it, runs in test_multiturn's fully_async keep episodes
         *(["rollout.recompute_kv=false"] if partial == "keep" else []),
         "train.steps=100",  # the data (20 prompts, one epoch) ends the run first
-        f"data.train={tmp / 'train.jsonl'}",
+        f"data.train={tmp_path / 'train.jsonl'}",
         "data.epochs=1",
         "data.val_size=16",
         "algorithm.val_every=1",
     )
-
-
-@pytest.fixture(scope="module")
-def async_runs(ray_cluster, cache_dir, tmp_path_factory) -> dict[str, tuple[Path, list[str], int, str, str]]:
-    """The three runs at once, on the shared cluster (each its own replica and trainer): a run is mostly
-    process start-up, which three overlap on a 2-core machine where one after the other they took 9 minutes.
-    Per partial mode: (run folder's parent, prompt uids, exit code, stdout, stderr)."""
-    procs: dict[str, tuple[Path, list[str], subprocess.Popen]] = {}
-    try:
-        for partial in CASES:
-            tmp = tmp_path_factory.mktemp(f"async-{partial}")
-            uids = _prompts(cache_dir, tmp / "train.jsonl", 20)
-            out, err = open(tmp / "stdout.log", "w"), open(tmp / "stderr.log", "w")  # noqa: SIM115
-            with out, err:
-                proc = subprocess.Popen(
-                    _cmd(ray_cluster, cache_dir, tmp, partial), cwd=REPO, stdout=out, stderr=err, text=True
-                )
-            procs[partial] = (tmp, uids, proc)
-        deadline = time.monotonic() + 1200
-        for _tmp, _uids, proc in procs.values():
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for _tmp, _uids, proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    return {
-        p: (tmp, uids, proc.returncode, (tmp / "stdout.log").read_text(), (tmp / "stderr.log").read_text())
-        for p, (tmp, uids, proc) in procs.items()
-    }
-
-
-@pytest.mark.parametrize("partial", list(CASES))
-def test_fully_async_drains_the_data_once_within_the_bound(partial, async_runs):
-    from mlflow.tracking import MlflowClient
-
-    _correction, eta, over_bound = CASES[partial]
-    tmp_path, uids, rc, stdout, stderr = async_runs[partial]
-    name = f"async-{partial}"
-    assert rc == 0, stderr[-4000:]
-    (line,) = re.findall(r"RESULT (\{.*\})", stdout)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
     res = json.loads(line)
     assert res["ok"] and "exhausted" in res["stopped"], res
     assert res["steps"] == 3  # 8 + 8 + 4 groups
