@@ -29,11 +29,16 @@ def import_module(hint: str, module_name: str) -> Any:
     try:
         return importlib.import_module(module_name)
     except Exception as e:
-        raise PluginError(f"{hint}; cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+        raise PluginError(hint, f"cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
 
 
 class PluginError(ValueError):
-    """A config value names no built-in and no importable object; the message names the key and the fix."""
+    """A config value names no built-in and no importable object; the message names the key and the fix
+    (`hint`), then why (`reason`), which callers with their own hint use alone."""
+
+    def __init__(self, hint: str, reason: str) -> None:
+        super().__init__(f"{hint}; {reason}")
+        self.reason = reason
 
 
 def is_dotted(spec: str) -> bool:
@@ -53,10 +58,10 @@ def resolve(key: str, spec: str, builtins: Mapping[str, Any] | None = None) -> A
     hint = f"{key}={spec!r}: expected {choices}a dotted path 'pkg.module:Name' importable from the working directory"
     module_name, _, attr = spec.partition(":")
     if not is_dotted(spec) or not _IDENT.match(module_name) or not _IDENT.match(attr):
-        raise PluginError(f"{hint}; {spec!r} is not of that form")
+        raise PluginError(hint, f"{spec!r} is not of that form")
     obj: Any = import_module(hint, module_name)
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise PluginError(f"{hint}; module {module_name!r} has no attribute {attr!r}")
+            raise PluginError(hint, f"module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj

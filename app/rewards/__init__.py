@@ -150,8 +150,7 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     try:
         obj: Any = resolve("reward.fn", f"{module_name}:{attr}" if module_name and attr else spec)
     except PluginError as e:
-        reason = str(e).split("; ", 1)[-1]
-        raise ValueError(f"{hint}; {reason}") from e
+        raise ValueError(f"{hint}; {e.reason}") from e
     if not callable(obj):
         raise ValueError(f"{hint}; {attr!r} in {module_name!r} is a {type(obj).__name__}, not a function")
     try:

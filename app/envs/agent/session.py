@@ -113,7 +113,7 @@ def resolve_agent(spec: str) -> Any:
         obj: Any = resolve("env.agent", spec)
     except PluginError as e:
         cause = e.__cause__
-        why = f"{type(cause).__name__}: {cause}" if cause else str(e).rsplit("; ", 1)[-1]
+        why = f"{type(cause).__name__}: {cause}" if cause else e.reason
         raise ValueError(f"{hint}; cannot import it ({why})") from e
     if not callable(obj):
         raise ValueError(f"{hint}; {attr!r} is a {type(obj).__name__}, not a function")
