@@ -636,6 +636,12 @@ class ResourcesConfig(_Section):
     """CPUs of the reward workers, split over reward.workers (sets reward.worker_cpus)."""
     ref_cpus: float = 0.0
     """CPUs of the reference workers, split over ref.workers (sets ref.worker_cpus)."""
+    colocate: bool = False
+    """Every GPU of the cluster holds one trainer rank and one vLLM replica (verl's hybrid layout): N GPUs give
+    N Ray Train workers and N replicas, and each rank pushes to the replica on its own GPU by CUDA IPC
+    (sync.transport=auto). On several GPUs a replica takes 0.55 of its GPU in Ray's accounting and a worker 0.4,
+    so no two replicas and no two workers can share a GPU (the replicas start first); its vLLM memory share is
+    rollout.gpu_memory_utilization. Leave rollout_gpus and train_gpus at 0."""
     rollout_custom: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources each vLLM replica asks for besides its CPUs/GPUs, e.g. `{rollout: 1}`: replicas
     then run only on nodes that have them (cluster.yaml's rollout nodes: `resources: {rollout: 8}`, or

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -64,7 +65,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from app.infra.ray_compat import current_actor
-from app.trainer.comm import bcast
+from app.trainer.comm import bcast, first_error
 from app.vllm import engine as vla
 from app.weights.buckets import plan_buckets
 from app.weights.group import free_port, resolve_backend
@@ -116,6 +117,10 @@ class TrainerSync:
         self.transport: WeightTransport | None = None  # rank 0's end of the current epoch
         self.epoch: int | None = None  # that epoch's number
         self.backend = resolve_backend(cfg.sync.backend, device)
+        # the trainer ranks that send: rank 0 alone, or every rank where the transport sends from each rank to
+        # the replicas on its own GPU (CUDA IPC with a trainer rank and a replica on every GPU)
+        world = int(getattr(learner, "world", 1) or 1)
+        self.senders = world if getattr(self.walker, "every_rank_sends", False) else 1
         self.last: PushStats | None = None
 
     def _wait_for_a_replica(self, deadline: float) -> None:
@@ -164,28 +169,52 @@ class TrainerSync:
             self.transport.close()
             self.transport, self.epoch = None, None
 
-    def _ensure_group(self, deadline: float) -> None:
-        """Rank 0: (re)form the epoch when there is none or the membership changed; drop who fails to join.
-        Tries again until `deadline` (members that failed to join register again and are retried)."""
+    def _together(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank where every rank sends (they form each epoch together), else as is:
+        with one sender only rank 0 forms and announces."""
+        return bcast(value) if self.senders > 1 else value
+
+    def _open_epoch(self, deadline: float) -> GroupInfo:
+        """Rank 0 asks the hub for a new epoch (after a replica registered); every sender learns it. Raises the
+        same SyncError on every sender."""
         import ray
 
+        info, err = None, None
+        if self.rank == 0:
+            try:
+                self._wait_for_a_replica(deadline)
+                info = ray.get(
+                    self.hub.open_epoch.remote(
+                        ray.util.get_node_ip_address(),
+                        free_port(),
+                        self.backend,
+                        self.cfg.sync.timeout_s,
+                        self.transport_name,
+                        self.senders,
+                    ),
+                    timeout=self.cfg.sync.timeout_s,
+                )
+            except Exception as e:
+                err = f"{e}"
+        info, err = self._together((info, err))
+        if err is not None:
+            raise SyncError(err)
+        return info
+
+    def _ensure_group(self, deadline: float) -> None:
+        """Rank 0 (every sender, together): (re)form the epoch when there is none or the membership changed;
+        drop who fails to join. Tries again until `deadline` (members that failed to join register again)."""
         self._close()
-        host = ray.util.get_node_ip_address()
         tries, last = 0, "no replica"
         while True:
-            self._wait_for_a_replica(deadline)
             tries += 1
-            info: GroupInfo = ray.get(
-                self.hub.open_epoch.remote(
-                    host, free_port(), self.backend, self.cfg.sync.timeout_s, self.transport_name
-                )
-            )
-            if info.world > 1:  # else the last replica left between the check and the epoch
+            info = self._open_epoch(deadline)
+            if info.world > info.senders:  # else the last replica left between the check and the epoch
                 err = self._form(info)
                 if err is None:
                     return
                 last = err
-            if time.monotonic() > deadline:
+            if self._together(time.monotonic() > deadline):
                 raise SyncError(
                     f"could not form the weight group within {self._budget_s():.0f}s ({tries} tries; "
                     f"replicas keep failing to join): {last}"
@@ -193,50 +222,84 @@ class TrainerSync:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
     def _form(self, info: GroupInfo) -> str | None:
-        """Open the transport of epoch `info`; None when every member joined, else why not (the members
-        that did not join are dropped: they register again for the next try)."""
-        import ray
-
-        s = self.cfg.sync
+        """Open this rank's end of epoch `info`; None when every member joined, else why not (rank 0 drops
+        the members that did not join: they register again for the next try)."""
         t0 = time.perf_counter()
         transport = make_transport(self.transport_name)
+        err: str | None = None
         try:
-            transport.open(info, self.device)
-        except Exception as e:  # someone did not join: find out who, drop them, form again
+            if self.rank == 0:
+                transport.open(info, self.device)
+            else:  # another sender: its rank in the group is its trainer rank
+                transport.join(info, self.rank, self.device)
+        except Exception as e:
+            err = f"epoch {info.epoch}: {e}"
+        if self.senders > 1:
+            err = first_error(err)
+        failed = None  # a member joined but acknowledged a failure: this try of the push fails
+        if self.rank == 0:
+            try:
+                err, failed = self._check_joined(info, err)
+            except Exception as e:  # the hub did not answer: every sender must leave alike
+                failed = f"epoch {info.epoch}: the weight hub did not answer: {e}"
+        err, failed = self._together((err, failed))
+        if err is not None or failed is not None:
             transport.close()
-            acks: Acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, 1.0))
-            train_log.warning("epoch %d did not form (%s); dropping %s", info.epoch, e, acks.missing)
-            ray.get(self.hub.drop.remote(acks.missing))
-            return f"epoch {info.epoch}: {e}"
-        acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, s.timeout_s))
-        try:
-            check_acks(acks, None, s.timeout_s)
-        except SyncError:
-            transport.close()
-            raise
+        if failed is not None:
+            raise SyncError(failed)
+        if err is not None:
+            return err
         self.transport, self.epoch = transport, info.epoch
         train_log.info(
-            "weight group epoch %d formed (%s): %d receivers in %.2fs",
+            "weight group epoch %d formed (%s): %d receivers, %d sender(s) in %.2fs",
             info.epoch,
             self.transport_name,
-            info.world - 1,
+            info.world - info.senders,
+            info.senders,
             time.perf_counter() - t0,
         )
         return None
 
+    def _check_joined(self, info: GroupInfo, err: str | None) -> tuple[str | None, str | None]:
+        """Rank 0: after a failed open, drop who did not join and return (why, None); after a good one, check
+        every member's join acknowledgement: (None, None), or (None, why) where one failed."""
+        import ray
+
+        s = self.cfg.sync
+        if err is not None:  # someone did not join: find out who, drop them, form again
+            acks: Acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, 1.0))
+            train_log.warning("epoch %d did not form (%s); dropping %s", info.epoch, err, acks.missing)
+            ray.get(self.hub.drop.remote(acks.missing))
+            return err, None
+        acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, s.timeout_s))
+        try:
+            check_acks(acks, None, s.timeout_s)
+        except SyncError as e:
+            return None, f"{e}"
+        return None, None
+
     def _announce(self, plan: Any, deadline: float) -> tuple[float, float]:
-        """Rank 0: announce `plan` to the current epoch, forming a new one first where there is none or the
-        hub refuses (the membership changed). Returns the seconds spent forming and announcing."""
+        """Rank 0 (every sender, together): announce `plan` to the current epoch, forming a new one first where
+        there is none or the hub refuses (the membership changed). Returns the seconds spent forming and
+        announcing."""
         import ray
 
         group_s = announce_s = 0.0
         for _ in range(2):  # at most: refused once (membership changed), formed, announced
-            if self.transport is None:
+            if self._together(self.transport is None):
                 t0 = time.perf_counter()
                 self._ensure_group(deadline)
                 group_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            ok = ray.get(self.hub.announce.remote(plan, self.epoch))
+            ok, err = True, None
+            if self.rank == 0:
+                try:
+                    ok = ray.get(self.hub.announce.remote(plan, self.epoch), timeout=self.cfg.sync.timeout_s)
+                except Exception as e:  # every sender must leave this loop alike
+                    ok, err = False, f"the weight hub did not take the announcement of v{plan.version}: {e}"
+            ok, err = self._together((ok, err))
+            if err is not None:
+                raise SyncError(err)
             announce_s += time.perf_counter() - t0
             if ok:
                 return group_s, announce_s
@@ -252,18 +315,21 @@ class TrainerSync:
         s = self.cfg.sync
         err: str | None = None
         stats = PushStats(version=plan.version)
+        # asked before the walk, so the answer leaves the hub as soon as the last replica acknowledged
+        pending = self.hub.wait_acks.remote("push", plan.version, s.timeout_s) if self.rank == 0 else None
         try:
-            # every other rank takes part in the gathers (FSDP2 collectives) and sends nothing
-            sender = self.transport if self.rank == 0 and self.transport is not None else self.walker
-            stats = sender.send(plan, self.learner.gather, self.device)
+            # a rank that does not send takes part in the gathers (FSDP2 collectives) only
+            sender = self.transport if self.transport is not None else self.walker
+            # gathered as the trainer holds them: the pack casts to the pushed dtype while it copies
+            stats = sender.send(plan, functools.partial(self.learner.gather, cast=False), self.device)
         except SyncError as e:
             err = str(e)
         if self.rank != 0:
             return stats, err
         t0 = time.perf_counter()
-        # after a transport failure (a receiver died mid-push) only collect who answered
-        ack_wait = s.timeout_s if err is None else min(5.0, s.timeout_s)
-        acks: Acks = ray.get(self.hub.wait_acks.remote("push", plan.version, ack_wait))
+        if err is not None:  # a transport failure (a receiver died mid-push): only collect who answered
+            pending = self.hub.wait_acks.remote("push", plan.version, min(5.0, s.timeout_s))
+        acks: Acks = ray.get(pending, timeout=s.timeout_s + 30)
         stats.ack_s = time.perf_counter() - t0
         try:
             check_acks(acks, stats.checksums if s.verify and not err else None, s.timeout_s)
@@ -290,7 +356,7 @@ class TrainerSync:
             err: str | None = None
             stats = PushStats(version=version)
             group_s = announce_s = 0.0
-            if self.rank == 0:
+            if self.rank == 0 or self.senders > 1:
                 try:
                     group_s, announce_s = self._announce(plan, deadline)
                 except Exception as e:
@@ -307,7 +373,7 @@ class TrainerSync:
                 return stats
             train_log.warning("push of version %d failed (try %d): %s", version, tries, err)
             failures.append(err)
-            if self.rank == 0:
+            if self.rank == 0 or self.senders > 1:
                 self._close()
             if bcast(time.monotonic() > deadline):  # rank 0's clock decides for every rank
                 raise SyncError(

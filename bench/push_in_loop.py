@@ -3,6 +3,7 @@
 GPU, over NCCL: the whole of `sync/time_s` as the trainer sees it, and each phase.
 
     python bench/push_in_loop.py --shapes embedded,0.5B,1.5B,3B,7B --pushes 8 [--loaded 5]
+    python bench/push_in_loop.py --preset colocated --shapes 1.5B     # a rank and a replica on every GPU, CUDA IPC
 
 Each shape: a model folder with random bf16 weights and a synthetic full-vocabulary tokenizer
 (bench/qwen_shapes.py; `embedded` is the built-in tiny model), the run's roles started as `app.driver` starts
@@ -83,7 +84,7 @@ def push_under_load(sync: Any, cfg: Any, version: int) -> dict[str, Any]:
 
 
 def run_shape(
-    shape: str, pushes: int, loaded: int, bucket_mb: float, models: str, out_dir: Path
+    shape: str, pushes: int, loaded: int, bucket_mb: float, models: str, out_dir: Path, preset: str = "gpu2"
 ) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -96,7 +97,7 @@ def run_shape(
     path = "builtin:tiny" if shape == "embedded" else build_model_dir(shape, models)
     name = f"push-{shape.replace('.', '')}".lower()
     cfg = load_config(
-        "gpu2",
+        preset,
         [
             f"model.path={path}",
             f"model.cache_dir={models}",
@@ -119,7 +120,9 @@ def run_shape(
                 "out": str(out),
             },
             scaling_config=ScalingConfig(
-                num_workers=1, use_gpu=True, resources_per_worker={"CPU": 1, "GPU": cfg.train.worker_gpus}
+                num_workers=cfg.train.workers,
+                use_gpu=True,
+                resources_per_worker={"CPU": 1, "GPU": cfg.train.worker_gpus},
             ),
             run_config=RunConfig(name=name, storage_path=str(out_dir / "train")),
         ).fit()
@@ -131,7 +134,10 @@ def run_shape(
     phases = {k: round(1000 * med([p["phases"].get(k, 0.0) for p in timed]), 2) for k in timed[0]["phases"]}
     return {
         "shape": shape,
+        "preset": preset,
         "transport": rep["transport"],
+        "trainer_ranks": cfg.train.workers,
+        "replicas": len(timed[0]["replicas"]),
         "nbytes": timed[0]["nbytes"],
         "buckets": timed[0]["buckets"],
         "first_push_ms": round(1000 * rep["pushes"][0]["wall_s"], 2),
@@ -164,6 +170,9 @@ def main() -> None:
         "--loaded", type=int, default=0, help="then this many pushes with generations in flight (keep mode)"
     )
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="sync.bucket_mb (NCCL)")
+    ap.add_argument(
+        "--preset", default="gpu2", help="gpu2 (disaggregated, NCCL) or colocated (every GPU, CUDA IPC)"
+    )
     ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "relay-models"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -175,7 +184,9 @@ def main() -> None:
     results = []
     try:
         for shape in args.shapes.split(","):
-            res = run_shape(shape, args.pushes, args.loaded, args.bucket_mb, args.models, out_dir)
+            res = run_shape(
+                shape, args.pushes, args.loaded, args.bucket_mb, args.models, out_dir, args.preset
+            )
             sys.stdout.write(json.dumps(res) + "\n")
             sys.stdout.flush()
             results.append(res)

@@ -15,6 +15,8 @@ import torch
 
 from app.config import ConfigError, load_config
 from app.infra.resources import (
+    COLOCATED_REPLICA,
+    COLOCATED_WORKER,
     ResourceError,
     auto_transport,
     check,
@@ -141,6 +143,44 @@ def test_auto_transport_picks_ipc_only_on_a_shared_gpu():
     assert "ipc" in TRANSPORTS and transport_class("ipc") is ipc_mod.IpcTransport
 
 
+def test_colocate_puts_a_trainer_rank_and_a_replica_on_every_gpu():
+    cfg = load_config("colocated", [])
+    for gpus in (2, 4, 8):
+        got = resolve(cfg, {"GPU": gpus, "CPU": 64})
+        assert got == {
+            "rollout.min_replicas": gpus,
+            "rollout.max_replicas": gpus,
+            "rollout.replica_gpus": COLOCATED_REPLICA,
+            "train.use_gpu": True,
+            "train.workers": gpus,
+            "train.worker_gpus": COLOCATED_WORKER,
+        }
+    one = resolve(cfg, {"GPU": 1, "CPU": 8})
+    assert (one["rollout.replica_gpus"], one["train.worker_gpus"], one["train.workers"]) == (0.4, 0.5, 1)
+    assert auto_transport(cfg, {"GPU": 2}) == "ipc"
+    with pytest.raises(ResourceError, match="cluster has 0 GPUs"):
+        resolve(cfg, {"CPU": 8})
+    with pytest.raises(ResourceError, match="leave resources.rollout_gpus"):
+        resolve(load_config("colocated", ["resources.train_gpus=1"]), {"GPU": 2, "CPU": 8})
+
+
+@pytest.mark.parametrize("policy", ["first_fit", "best_fit"])
+@pytest.mark.parametrize("gpus", [2, 3, 4, 8])
+def test_colocated_shares_give_each_gpu_one_rank_and_one_replica(policy, gpus):
+    """Ray assigns fractional GPUs per GPU instance. The replicas start first (app/driver.py); whether Ray fills
+    the first GPU that fits or the fullest one that fits, the colocated shares leave no choice but one replica
+    and one trainer worker on every GPU."""
+    free = [1.0] * gpus
+    placed: dict[str, list[int]] = {"replica": [], "worker": []}
+    for role, share in [("replica", COLOCATED_REPLICA)] * gpus + [("worker", COLOCATED_WORKER)] * gpus:
+        fits = [i for i, f in enumerate(free) if f + 1e-9 >= share]
+        assert fits, f"{role} {len(placed[role])} does not fit: {free}"
+        i = fits[0] if policy == "first_fit" else min(fits, key=lambda j: (free[j], j))
+        free[i] -= share
+        placed[role].append(i)
+    assert sorted(placed["replica"]) == list(range(gpus)) == sorted(placed["worker"])
+
+
 def test_ipc_transport_refuses_a_cpu_end():
     info = GroupInfo(
         epoch=0,
@@ -156,57 +196,126 @@ def test_ipc_transport_refuses_a_cpu_end():
         ipc_mod.IpcTransport().open(info, "cpu")
 
 
-def test_ipc_protocol_with_stand_in_handles(monkeypatch):
-    """The walk, descriptions, copy-done signals and checksums over a real gloo group; CPU tensors stand in
-    for the CUDA IPC mappings (the GPU test runs the real ones)."""
-    shared: dict[int, torch.Tensor] = {}
+_GPU = threading.local()  # which stand-in GPU the current thread's end of the IPC transport is on
+
+
+def _stand_in_ipc(monkeypatch) -> dict[int, tuple[int, torch.Tensor]]:
+    """CPU tensors stand in for the CUDA IPC mappings, and each thread's `_GPU.uuid` for its GPU's UUID. Returns
+    the shared table: handle -> (the exporting thread's stand-in GPU, the tensor)."""
+    shared: dict[int, tuple[int, torch.Tensor]] = {}
 
     def export(t: torch.Tensor) -> bytes:
-        shared[id(t)] = t
+        shared[id(t)] = (_GPU.uuid, t)
         return pickle.dumps([None] * 7 + [id(t)])
 
+    def open_handle(meta: bytes, dev: torch.device) -> torch.Tensor:
+        gpu, t = shared[pickle.loads(meta)[7]]
+        assert gpu == _GPU.uuid, "a receiver mapped memory of another GPU"
+        return t
+
     monkeypatch.setattr(ipc_mod, "export_handle", export)
-    monkeypatch.setattr(ipc_mod, "open_handle", lambda meta, dev: shared[pickle.loads(meta)[7]])
+    monkeypatch.setattr(ipc_mod, "open_handle", open_handle)
     monkeypatch.setattr(ipc_mod.IpcTransport, "_check_device", staticmethod(lambda d: None))
-    monkeypatch.setattr(ipc_mod.IpcTransport, "_check_same_gpu", lambda self, rank: None)
+    monkeypatch.setattr(ipc_mod, "_gpu_uuid", lambda d: torch.full((16,), _GPU.uuid, dtype=torch.uint8))
+    return shared
+
+
+def _ipc_walk(info: GroupInfo, gpus: list[int], state: dict[str, torch.Tensor], plan) -> tuple[list, dict]:
+    """Senders (ranks < info.senders) and receivers of one epoch in threads, rank r on stand-in GPU gpus[r]:
+    every sender walks `plan` over `state`, every receiver loads it. Returns each sender's stats (or error) and
+    each receiver's checksums and loaded tensors (or error)."""
+    sent: list = [None] * info.senders
+    got: dict[int, dict] = {}
+
+    def end(rank: int) -> None:
+        _GPU.uuid = gpus[rank]
+        t = ipc_mod.IpcTransport()
+        try:
+            if rank < info.senders:
+                t.open(info, "cpu") if rank == 0 else t.join(info, rank, "cpu")
+                sent[rank] = t.send(plan, lambda names: [state[n] for n in names], "cpu")
+            else:
+                t.join(info, rank, "cpu")
+                loaded: dict[str, torch.Tensor] = {}
+                sums, _ = t.receive(
+                    plan, lambda items: loaded.update({k: v.clone() for k, v in items}), "cpu"
+                )
+                got[rank] = {"sums": sums, "loaded": loaded}
+        except Exception as e:  # the test asserts on it
+            (got if rank >= info.senders else {})[rank] = {"error": e}
+            if rank < info.senders:
+                sent[rank] = e
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=end, args=(r,)) for r in range(info.world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    return sent, got
+
+
+def _ipc_plan():
     state = {f"w{i}": torch.randn(300 + i, 7) for i in range(5)}
     state["b"] = torch.randn(11).to(torch.bfloat16)
     plan = plan_buckets([(k, tuple(v.shape), v.dtype) for k, v in state.items()], 20_000, version=3)
     assert len(plan.buckets) >= 3
-    info = GroupInfo(
+    return state, plan
+
+
+def _ipc_info(world: int, senders: int = 1) -> GroupInfo:
+    return GroupInfo(
         epoch=1,
         host="127.0.0.1",
         port=free_port(),
-        world=3,
+        world=world,
         backend="gloo",
         timeout_s=20,
         ranks={},
         transport="ipc",
+        senders=senders,
     )
-    got: dict[int, dict] = {}
 
-    def receiver(rank: int) -> None:
-        t = ipc_mod.IpcTransport()
-        t.join(info, rank, "cpu")
-        loaded: dict[str, torch.Tensor] = {}
-        sums, timing = t.receive(plan, lambda items: loaded.update({k: v.clone() for k, v in items}), "cpu")
-        got[rank] = {"sums": sums, "loaded": loaded}
-        t.close()
 
-    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
-    for th in threads:
-        th.start()
-    sender = ipc_mod.IpcTransport()
-    sender.open(info, "cpu")
-    stats = sender.send(plan, lambda names: [state[n] for n in names], "cpu")
-    for th in threads:
-        th.join(30)
-    sender.close()
+def test_ipc_protocol_with_stand_in_handles(monkeypatch):
+    """The walk, descriptions, copy-done signals and checksums over a real gloo group; CPU tensors stand in
+    for the CUDA IPC mappings (the GPU test runs the real ones). One trainer, two replicas on its GPU."""
+    _stand_in_ipc(monkeypatch)
+    state, plan = _ipc_plan()
+    (stats,), got = _ipc_walk(_ipc_info(3), [7, 7, 7], state, plan)
     assert stats.buckets == len(plan.buckets) and len(stats.checksums) == len(plan.buckets)
     for rank in (1, 2):
         assert got[rank]["sums"] == stats.checksums
         for k, v in state.items():
             assert torch.equal(got[rank]["loaded"][k], v), k
+
+
+def test_ipc_every_rank_sends_to_the_replica_on_its_gpu(monkeypatch):
+    """Colocated on two GPUs: trainer ranks 0 and 1 (GPUs 5 and 6) both send; the receiver on GPU 6 maps rank
+    1's staging buffer and the one on GPU 5 rank 0's (the stand-in open_handle refuses another GPU's)."""
+    _stand_in_ipc(monkeypatch)
+    state, plan = _ipc_plan()
+    sent, got = _ipc_walk(_ipc_info(4, senders=2), [5, 6, 6, 5], state, plan)
+    assert all(not isinstance(s, Exception) for s in sent), sent
+    assert sent[0].checksums == sent[1].checksums and len(sent[0].checksums) == len(plan.buckets)
+    for rank in (2, 3):
+        assert "error" not in got[rank], got[rank]
+        assert got[rank]["sums"] == sent[0].checksums
+        for k, v in state.items():
+            assert torch.equal(got[rank]["loaded"][k], v), k
+
+
+def test_ipc_replica_on_a_gpu_without_a_trainer_rank_is_refused(monkeypatch):
+    _stand_in_ipc(monkeypatch)
+    state, plan = _ipc_plan()
+    _sent, got = _ipc_walk(_ipc_info(3, senders=2), [5, 6, 9], state, plan)
+    assert "holds no trainer rank" in str(got[2]["error"]), got
+
+
+def test_source_on_same_gpu():
+    u = [torch.full((16,), g, dtype=torch.uint8) for g in (1, 2, 2, 1, 3)]
+    assert [ipc_mod.source_on_same_gpu(u, r, 2) for r in range(5)] == [0, 1, 1, 0, None]
 
 
 class _Detok:

@@ -13,7 +13,20 @@ from app.weights.buckets import checksum, plan_buckets, unpack
 from app.weights.control import RunControl
 from app.weights.group import free_port
 from app.weights.hub import WeightHub, check_acks
-from app.weights.records import Abort, Ack, Acks, GroupInfo, Idle, Join, Leave, Push, SyncError, Unknown
+from app.weights.records import (
+    Abort,
+    Ack,
+    Acks,
+    GroupInfo,
+    Idle,
+    Join,
+    Leave,
+    Push,
+    SyncError,
+    Unknown,
+    group_from_json,
+    group_to_json,
+)
 from app.weights.transport import make_transport
 
 
@@ -184,6 +197,20 @@ OK = Ack(ok=True)
 
 def _plan(version: int):
     return plan_buckets([("w", (2,), torch.float32)], 1024, version)
+
+
+def test_hub_ranks_follow_the_senders():
+    """Every trainer rank sends (colocated IPC): ranks 0..senders-1 are the trainer's, the replicas' follow."""
+
+    async def scenario():
+        hub = WeightHub()
+        await hub.register("r1")
+        await hub.register("r2", workers=2)
+        g = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0, "ipc", senders=2)
+        assert g.senders == 2 and g.ranks == {"r1": 2, "r2": 3} and g.world == 5
+        assert group_from_json(group_to_json(g)) == g
+
+    asyncio.run(scenario())
 
 
 def test_hub_join_push_ack_cycle():

@@ -49,7 +49,7 @@ def resolve(cfg: Any, cluster: dict[str, float]) -> dict[str, Any]:
     number of GPUs (one per worker) and for a share that leaves a role nothing."""
     r = cfg.resources
     gpus, cpus = float(cluster.get("GPU", 0.0)), float(cluster.get("CPU", 0.0))
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = colocated(cfg, gpus) if getattr(r, "colocate", False) else {}
     split = {
         "rollout_gpus": ("rollout.replica_gpus", cfg.rollout.max_replicas, gpus),
         "ref_gpus": ("ref.worker_gpus", max(1, cfg.ref.workers), gpus),
@@ -82,6 +82,37 @@ def resolve(cfg: Any, cluster: dict[str, float]) -> dict[str, Any]:
         if r.train_cpus:
             out["train.worker_cpus"] = _total(r.train_cpus, cpus) / max(1, round(total))
     return out
+
+
+# colocated on several GPUs: a replica takes more than half a GPU, so no two share one, and a trainer worker
+# fits only in what a replica leaves (0.45), so no two workers share one either. The replicas start first.
+COLOCATED_REPLICA, COLOCATED_WORKER = 0.55, 0.4
+
+
+def colocated(cfg: Any, gpus: float) -> dict[str, Any]:
+    """`resources.colocate`: one trainer rank and one replica on every GPU of the cluster, as overrides."""
+    r = cfg.resources
+    n = int(gpus)
+    if n < 1 or n != gpus:
+        raise ResourceError(
+            f"resources.colocate=true puts a trainer rank and a replica on every GPU, but the cluster has "
+            f"{gpus:g} GPUs: start Ray on a machine with GPUs (ray.num_gpus), or set resources.colocate=false"
+        )
+    if r.rollout_gpus or r.train_gpus:
+        raise ResourceError(
+            "resources.colocate=true sets the rollout's and the trainer's GPUs itself (one of each per GPU): "
+            "leave resources.rollout_gpus and resources.train_gpus at 0"
+        )
+    # one GPU: configs/gpu1.yaml's shares (the order does not matter there)
+    replica, worker = (0.4, 0.5) if n == 1 else (COLOCATED_REPLICA, COLOCATED_WORKER)
+    return {
+        "rollout.min_replicas": n,
+        "rollout.max_replicas": n,
+        "rollout.replica_gpus": replica,
+        "train.use_gpu": True,
+        "train.workers": n,
+        "train.worker_gpus": worker,
+    }
 
 
 def custom(cfg: Any, role: str) -> dict[str, float]:
@@ -257,8 +288,10 @@ def memory_share(rollout: Any) -> float:
 
 
 def auto_transport(cfg: Any, cluster: dict[str, float], overrides: dict[str, Any] | None = None) -> str:
-    """`ipc` when the trainer and the replicas share one GPU (both on GPU, on a cluster of one GPU, where
-    NCCL cannot put two ranks on one device), else `broadcast`."""
+    """`ipc` when the trainer and the replicas share GPUs (`resources.colocate`, or both on GPU on a cluster of
+    one GPU, where NCCL cannot put two ranks on one device), else `broadcast`."""
+    if getattr(cfg.resources, "colocate", False):
+        return "ipc"
     o = overrides or {}
     use_gpu = bool(o.get("train.use_gpu", cfg.train.use_gpu))
     replica_gpus = float(o.get("rollout.replica_gpus", cfg.rollout.replica_gpus))

@@ -18,6 +18,15 @@ def bcast(obj: Any) -> Any:
     return box[0]
 
 
+def first_error(err: str | None) -> str | None:
+    """The first rank's error among every trainer rank's `err` (None where every rank succeeded)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return err
+    errs: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errs) if e is not None), None)
+
+
 @dataclass
 class Actors:
     """Handles of the roles the trainer talks to, and its deadline (`train.timeout_s`) for their answers."""

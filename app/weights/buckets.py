@@ -109,6 +109,14 @@ def unpack(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]
 
 
 def pack_into(bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy `tensors` (any float dtype: cast on the way) into the bucket's flat buffer `out`: one `torch.cat`
+    where `out` is exactly the bucket (the tensors lie back to back), else one copy per tensor."""
+    if len(tensors) != len(bucket.tensors):
+        raise ValueError(f"bucket {bucket.index} holds {len(bucket.tensors)} tensors, {len(tensors)} given")
+    whole = sum(t.numel for t in bucket.tensors) == bucket.numel == out.numel()
+    if whole and out.dim() == 1 and out.is_contiguous():
+        torch.cat([t.reshape(-1) for t in tensors], out=out)
+        return out
     for spec, t in zip(bucket.tensors, tensors, strict=True):
         out[spec.offset : spec.offset + spec.numel].copy_(t.reshape(-1), non_blocking=True)
     return out

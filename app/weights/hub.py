@@ -172,12 +172,18 @@ class WeightHub:
     # ------------------------------------------------------------ epochs and pushes (the trainer)
 
     async def open_epoch(
-        self, host: str, port: int, backend: str, timeout_s: float, transport: str = "broadcast"
+        self,
+        host: str,
+        port: int,
+        backend: str,
+        timeout_s: float,
+        transport: str = "broadcast",
+        senders: int = 1,
     ) -> GroupInfo:
         """Assign ranks to the live members and announce a new epoch of the weight group (members whose
-        actor died are dropped first)."""
+        actor died are dropped first). The trainer's `senders` ranks come first (0..senders-1)."""
         await self._drop_dead()
-        ranks, nxt = {}, 1
+        ranks, nxt = {}, senders
         for rid in self.alive_ids():
             ranks[rid] = nxt
             nxt += self.members[rid].workers
@@ -191,6 +197,7 @@ class WeightHub:
             timeout_s=timeout_s,
             ranks=ranks,
             transport=transport,
+            senders=senders,
         )
         self.plan = None
         await self.changed.notify()

@@ -60,6 +60,14 @@ def plain_segments() -> Iterator[None]:
         setter("expandable_segments:True")
 
 
+def source_on_same_gpu(uuids: list[torch.Tensor], rank: int, senders: int) -> int | None:
+    """The sender (ranks 0..senders-1) on the same GPU as `rank` (by GPU UUID, `uuids` in rank order): a sender
+    itself, or None where no sender shares the GPU."""
+    if rank < senders:
+        return rank
+    return next((s for s in range(senders) if torch.equal(uuids[s], uuids[rank])), None)
+
+
 def export_handle(t: torch.Tensor) -> bytes:
     """A picklable description of CUDA tensor `t` (its IPC handle) that `open_handle` rebuilds elsewhere."""
     from torch.multiprocessing.reductions import reduce_tensor
@@ -83,14 +91,17 @@ class IpcTransport(BroadcastTransport):
     """CUDA IPC buckets on one GPU; a gloo group of the epoch carries the handles and the copy-done signals."""
 
     bucket_setting = "ipc_bucket_mb"  # its own bucket size: the stage is on the GPU, round trips cost
+    every_rank_sends = True  # each trainer rank serves the replicas on its own GPU
 
     def __init__(self) -> None:
         super().__init__()
         self.device = torch.device("cpu")
+        self.senders, self.source = 1, None  # trainer ranks in the group; a receiver's sender
 
     def _connect(self, info: GroupInfo, rank: int, device: torch.device | str) -> None:
         self.close()
         self.device = torch.device(device)
+        self.senders = info.senders
         self._check_device(self.device)
         # the control traffic only: NCCL cannot put two ranks on one device
         self.group = StatelessGroup(
@@ -106,15 +117,22 @@ class IpcTransport(BroadcastTransport):
                 f"{device}: use sync.transport=broadcast"
             )
 
+    def _allgather(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's `mine` (a CPU tensor of one shape), in rank order."""
+        out = [torch.empty_like(mine) for _ in range(self.group.world)]  # type: ignore[union-attr]
+        self.group.wait(self.group.pg.allgather([out], [mine]))  # type: ignore[union-attr]
+        return out
+
     def _check_same_gpu(self, rank: int) -> None:
-        uuid = _gpu_uuid(self.device)
-        theirs = uuid.clone()
-        self.group.broadcast(theirs)
-        if rank != 0 and not torch.equal(uuid, theirs):
+        """Pair each receiver with the sender on its GPU (by GPU UUID): `self.source` is that sender's rank."""
+        uuids = self._allgather(_gpu_uuid(self.device))
+        self.source = source_on_same_gpu(uuids, rank, self.senders)
+        if self.source is None:
             self.close()
             raise SyncError(
-                "sync.transport=ipc: this replica is on another GPU than the trainer (CUDA IPC maps memory of "
-                "one GPU): use sync.transport=broadcast (sync.transport=auto picks ipc only on one-GPU clusters)"
+                "sync.transport=ipc: this replica's GPU holds no trainer rank (CUDA IPC maps memory of one "
+                "GPU): put a trainer rank beside every replica (resources.colocate=true, or one GPU for both), "
+                "or use sync.transport=broadcast (sync.transport=auto picks ipc only where they share GPUs)"
             )
 
     def _signal(self, ok: bool) -> bool:
@@ -124,17 +142,20 @@ class IpcTransport(BroadcastTransport):
         self.group.wait(work)  # type: ignore[union-attr]
         return int(flag.item()) == 0
 
-    def _meta(self, meta: bytes | None = None) -> bytes:
-        """Rank 0 sends one description (empty: the trainer failed, no bucket follows); others receive it."""
+    def _metas(self, meta: bytes = b"") -> list[bytes]:
+        """Every sender's description of its bucket (a receiver gives none): an empty one says that sender
+        failed and no bucket follows from any."""
         buf = torch.zeros(_META_BYTES, dtype=torch.uint8)
-        if meta is not None:
+        if meta:
             if len(meta) + 4 > _META_BYTES:
                 raise SyncError(f"IPC description of {len(meta)} bytes exceeds {_META_BYTES}")
             buf[:4] = torch.tensor(list(len(meta).to_bytes(4, "little")), dtype=torch.uint8)
             buf[4 : 4 + len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
-        self.group.broadcast(buf)  # type: ignore[union-attr]
-        n = int.from_bytes(bytes(buf[:4].tolist()), "little")
-        return bytes(buf[4 : 4 + n].numpy().tobytes())
+        out = []
+        for got in self._allgather(buf)[: self.senders]:
+            n = int.from_bytes(bytes(got[:4].tolist()), "little")
+            out.append(bytes(got[4 : 4 + n].numpy().tobytes()))
+        return out
 
     def send(self, plan: PushPlan, gather: Gather, device: torch.device | str) -> PushStats:
         """Walk every bucket (gathers are collectives on every rank); rank 0 (with a group) exports them."""
@@ -170,7 +191,9 @@ class IpcTransport(BroadcastTransport):
                 self._tell_failed()
                 continue
             try:
-                self._meta(meta)
+                if not all(self._metas(meta)):
+                    error = SyncError(f"another trainer rank failed before bucket {bucket.index}")
+                    continue
                 if not self._signal(True):
                     error = SyncError(f"a receiver failed to copy bucket {bucket.index}")
             except Exception as e:  # the group broke (a receiver died): every end fails on its own
@@ -186,7 +209,7 @@ class IpcTransport(BroadcastTransport):
     def _tell_failed(self) -> None:
         """Best effort: an empty description tells the receivers that no more buckets come."""
         with contextlib.suppress(Exception):  # the group itself is broken: the receivers fail on their own
-            self._meta(b"")
+            self._metas(b"")
 
     def receive(
         self, plan: PushPlan, load: Load, device: torch.device | str
@@ -202,9 +225,10 @@ class IpcTransport(BroadcastTransport):
         try:
             for bucket in plan.buckets:
                 t0 = time.perf_counter()
-                meta = self._meta()
-                if not meta:
+                metas = self._metas()
+                if not all(metas):
                     raise SyncError(f"the trainer failed before bucket {bucket.index} of v{plan.version}")
+                meta = metas[self.source]
                 t1 = time.perf_counter()
                 err = None
                 try:  # straight from the trainer's staging buffer: no copy of our own

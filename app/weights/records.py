@@ -79,6 +79,9 @@ class GroupInfo:
     timeout_s: float
     ranks: dict[str, int]  # replica id -> first rank of its workers
     transport: str = "broadcast"  # registry name (app/weights/transport.py): both ends build the same one
+    # trainer ranks in the group (ranks 0..senders-1); the receivers' ranks follow. One (rank 0 sends) but
+    # where every trainer rank sends to the replicas on its own GPU (the colocated CUDA-IPC layout)
+    senders: int = 1
 
 
 @dataclass(kw_only=True)

@@ -68,13 +68,16 @@ def logprob_loop(config: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- the 2-GPU tier (tests/gpu/test_disagg_gpu.py)
 
 
-def _exact(learner: Any, handle: Any) -> dict[str, Any]:
-    """The trainer's checksum of every pushed tensor against what the replica's engine holds in its place."""
+def _trainer_checksums(learner: Any) -> dict[str, str]:
+    """The trainer's checksum of every tensor it pushes (a collective on every trainer rank)."""
     from app.weights.buckets import checksum
 
     names = [n for n, _, _ in learner.push_specs()]
-    mine = {n: checksum(t.reshape(-1)) for n, t in zip(names, learner.gather(names), strict=True)}
-    theirs = handle.loaded_checksums.remote().result(timeout_s=60)
+    return {n: checksum(t.reshape(-1)) for n, t in zip(names, learner.gather(names), strict=True)}
+
+
+def _compare(mine: dict[str, str], theirs: dict[str, Any]) -> dict[str, Any]:
+    """A replica's `loaded_checksums` against the trainer's checksums."""
     worker = theirs["workers"][0]
     held = worker["checksums"]
     return {
@@ -86,6 +89,12 @@ def _exact(learner: Any, handle: Any) -> dict[str, Any]:
         "unequal": sorted(n for n in held if held[n] != mine.get(n)),
         "missing": sorted(set(mine) - set(held) - set(worker.get("skipped", []))),
     }
+
+
+def _exact(learner: Any, handle: Any) -> dict[str, Any]:
+    """The trainer's checksum of every pushed tensor against what the replica's engine holds in its place."""
+    mine = _trainer_checksums(learner)
+    return _compare(mine, handle.loaded_checksums.remote().result(timeout_s=60))
 
 
 def _until(what: str, fn: Any, timeout_s: float) -> Any:
@@ -206,3 +215,80 @@ def disagg_loop(config: dict[str, Any]) -> None:
         out["exact_after_kill"] = _exact(learner, handle)
     with open(config["out"], "w") as f:
         json.dump(out, f)
+
+
+# ---------------------------------------------------------------- every GPU of a box (tests/gpu/test_colocated_gpu.py)
+
+
+def _each_replica(handle: Any, replicas: int, ask: Any, timeout_s: float = 120) -> dict[str, Any]:
+    """`ask(handle)` (a Serve call whose answer names its replica) until every one of `replicas` answered."""
+    import time
+
+    seen: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only replicas {sorted(seen)} of {replicas} answered within {timeout_s:.0f}s")
+        got = ask(handle)
+        seen.setdefault(got["replica"], got)
+    return seen
+
+
+def colocated_loop(config: dict[str, Any]) -> None:
+    """Every GPU holds a trainer rank and a replica (issue 30): each rank pushes to the replica on its own GPU
+    by CUDA IPC. Push v0, train one step, push v1, then timed pushes; every replica's log-probs and loaded
+    bytes are compared with the trainer's. Rank 0 writes the report to `config["out"]`."""
+    import ray
+    import torch
+    from omegaconf import OmegaConf
+    from ray import serve
+
+    from app.rollout.rollouter import rollouter_name
+    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+    from app.sync import TrainerSync
+    from app.trainer.comm import bcast
+    from app.trainer.learner import Learner
+    from app.weights.actors import NAMESPACE
+    from app.weights.hub import hub_name
+
+    cfg = OmegaConf.create(config["cfg"])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    learner = Learner(cfg, config["model_path"], dev)
+    hub = ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE)
+    sync = TrainerSync(cfg, learner, hub, dev)
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
+    pushes = [sync.push(0).record()]
+    batch = None
+    if learner.rank == 0:
+        rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
+        batch = ray.get(rollouter.generate_batch.remote(4), timeout=120)
+    batch = bcast(batch)
+    g = batch.groups[0]
+    prompt, completion = g.prompt_ids, g.samples[0].token_ids
+    before = learner.logprobs_of(prompt, completion)
+    learner.step(batch)
+    pushes.append(sync.push(1).record())
+    after = learner.logprobs_of(prompt, completion)
+    mine = _trainer_checksums(learner)
+    for v in range(2, 2 + int(config.get("timed_pushes", 8))):  # back to back: the push alone
+        pushes.append(sync.push(v).record())
+    if learner.rank != 0:
+        return
+    n = int(cfg.rollout.max_replicas)
+    lps = _each_replica(
+        handle, n, lambda h: h.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
+    )
+    exact = _each_replica(handle, n, lambda h: h.loaded_checksums.remote().result(timeout_s=60))
+    out = {
+        "transport": sync.transport_name,
+        "senders": sync.senders,
+        "world": learner.world,
+        "pushes": pushes,
+        "trainer_before": before,
+        "trainer_after": after,
+        "vllm_after": lps,
+        "exact": {rid: _compare(mine, theirs) for rid, theirs in exact.items()},
+        "hub": ray.get(hub.status.remote(), timeout=30),
+    }
+    with open(config["out"], "w") as f:
+        json.dump(out, f, default=str)
