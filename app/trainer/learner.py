@@ -23,6 +23,7 @@ from app.rollout.episode import env_metrics
 from app.trainer import grpo
 from app.trainer.losses import LOSSES, LossInputs
 from app.trainer.packing import collate_packed, packed_model_kwargs, plan_micro_batches, to_device
+from app.trainer.push_gather import gather_sharded
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,16 @@ def build_fsdp_model(
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def _dim0_sharded(p: Any) -> bool:
+    """An FSDP2 parameter sharded on dim 0 over a 1-D mesh of several ranks (what push_gather.py gathers)."""
+    placements = getattr(p, "placements", None)
+    if not placements or len(placements) != 1 or p.device_mesh.ndim != 1 or p.device_mesh.size() < 2:
+        return False
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placements[0], Shard) and placements[0].dim == 0
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -460,23 +471,38 @@ class Learner:
         The name -> parameter map is built once (a push calls this once per bucket; FSDP2 keeps its parameter
         objects for the model's life and updates them in place): rebuilding it per bucket was most of a 1.5B
         push's 23 ms gather on an H200. Under no_grad a DTensor's `to_local()` is its local tensor, with no
-        dispatch (a `detach()` first went through DTensor's dispatcher for every tensor)."""
+        dispatch (a `detach()` first went through DTensor's dispatcher for every tensor). On several ranks the
+        dim-0 shards of all `names` come in one all-gather (app/trainer/push_gather.py), in the model's dtype."""
         params = getattr(self, "_push_params", None)
         if params is None:
             params = self._push_params = self.named_params()
         dtype = getattr(torch, self.cfg.model.dtype)
-        out = []
+        out: dict[str, torch.Tensor] = {}
+        sharded = [n for n in names if _dim0_sharded(params[n])]
+        sharded = [n for n in sharded if params[n].device_mesh == params[sharded[0]].device_mesh]
         with torch.no_grad():
+            if sharded:  # one all-gather for all of them (push_gather.py), already in the pushed dtype
+                mesh = params[sharded[0]].device_mesh
+                full = gather_sharded(
+                    [params[n].to_local() for n in sharded],
+                    [tuple(params[n].shape) for n in sharded],
+                    mesh.size(),
+                    dtype,
+                    lambda o, i: dist.all_gather_into_tensor(o, i, group=mesh.get_group()),
+                )
+                out.update(zip(sharded, full, strict=True))
             for n in names:
+                if n in out:
+                    continue
                 p = params[n]
                 if not hasattr(p, "full_tensor"):
-                    full = p.detach()
+                    t = p.detach()
                 elif p.device_mesh.size() == 1:  # one rank holds it whole: no all-gather
-                    full = p.to_local()
+                    t = p.to_local()
                 else:
-                    full = p.full_tensor()
-                out.append(full.to(dtype) if cast else full)
-        return out
+                    t = p.full_tensor()
+                out[n] = t.to(dtype) if cast else t
+        return [out[n] for n in names]
 
     def logprobs_of(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """The trainer's log-probs for a fixed completion (collective: call on every rank)."""

@@ -1,0 +1,78 @@
+"""Full tensors of many FSDP2 parameters in one all-gather (the weight push's gather on several trainer ranks).
+
+FSDP2 shards each parameter on dim 0 the way `torch.chunk` splits it across the W ranks: rank r holds rows
+[r*c, min((r+1)*c, n)) with c = ceil(n / W), possibly none. Gathering each parameter with `full_tensor()` is one
+collective per parameter: a 1.5B push on two ranks spent 147 ms in 340 all-gathers (docs/benchmarks.md). Here
+every rank packs its shards, each padded to c rows and cast to the pushed dtype, into one flat buffer; one
+`all_gather_into_tensor` gives every rank every shard, and each full tensor is cut out of the (W, total) grid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one parameter's padded shard lies in each rank's flat buffer."""
+
+    offset: int
+    rows: int  # c: the padded shard's rows
+    shape: tuple[int, ...]  # the full parameter's shape
+
+    @property
+    def numel(self) -> int:
+        return self.rows * math.prod(self.shape[1:])
+
+
+def pack_shards(
+    local: Sequence[torch.Tensor], shapes: Sequence[tuple[int, ...]], world: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, list[Piece]]:
+    """This rank's shards (`local[i]` of the parameter of full shape `shapes[i]`) padded and cast into one flat
+    buffer (one `torch.cat`), and where each lies."""
+    parts: list[torch.Tensor] = []
+    pieces: list[Piece] = []
+    offset = 0
+    for t, shape in zip(local, shapes, strict=True):
+        rows = -(-shape[0] // world)
+        piece = Piece(offset, rows, tuple(shape))
+        parts.append(t.reshape(-1))
+        missing = piece.numel - t.numel()
+        if missing:  # a short (or empty) last shard: zeros up to c rows
+            parts.append(torch.zeros(missing, dtype=dtype, device=t.device))
+        pieces.append(piece)
+        offset += piece.numel
+    device = local[0].device if local else torch.device("cpu")
+    flat = torch.empty(offset, dtype=dtype, device=device)
+    if parts:
+        torch.cat(parts, out=flat)
+    return flat, pieces
+
+
+def unpack_gathered(gathered: torch.Tensor, pieces: Sequence[Piece], world: int) -> list[torch.Tensor]:
+    """Each full tensor out of every rank's flat buffer, `gathered` being those buffers back to back."""
+    grid = gathered.view(world, -1)
+    out = []
+    for p in pieces:
+        block = grid[:, p.offset : p.offset + p.numel].reshape(world * p.rows, *p.shape[1:])
+        out.append(block[: p.shape[0]])
+    return out
+
+
+def gather_sharded(
+    local: Sequence[torch.Tensor],
+    shapes: Sequence[tuple[int, ...]],
+    world: int,
+    dtype: torch.dtype,
+    all_gather: Callable[[torch.Tensor, torch.Tensor], None],
+) -> list[torch.Tensor]:
+    """The full tensors of dim-0 shards `local` (see the module docstring) through one `all_gather(out, flat)`
+    (torch.distributed's `all_gather_into_tensor` on the shards' group: every rank calls it)."""
+    flat, pieces = pack_shards(local, shapes, world, dtype)
+    gathered = torch.empty(world * flat.numel(), dtype=dtype, device=flat.device)
+    all_gather(gathered, flat)
+    return unpack_gathered(gathered, pieces, world)
