@@ -99,6 +99,7 @@ def run_shape(
         "gpu2",
         [
             f"model.path={path}",
+            "model.allow_toy_settings=true",  # a model shape on the toy task
             f"model.cache_dir={models}",
             f"ray.name={name}",
             f"sync.bucket_mb={bucket_mb}",
