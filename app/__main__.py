@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from app.config import REFERENCE_PATH, ConfigError, load_config, reference_markdown
+from app.errors import user_error
 from app.infra.log_filters import configure_logging
 
 log = logging.getLogger("app")
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         log.error("config error: %s", e)
+        _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
         return 2
     configure_logging(cfg.log_level)
     if args.print_config:
@@ -96,21 +98,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _quiet_progress_bars()
     from app.driver import run
-    from app.trainer.checkpoint import CheckpointError
-    from app.trainer.resume_check import ResumeMismatch
 
     try:
         result = run(cfg, resume_with_new_data=args.resume_with_new_data)
-    except (CheckpointError, ResumeMismatch) as e:  # refused before Ray started: the message says it all
-        log.error("%s", e)
-        _emit_result({"ok": False, "error": str(e)[:2000]})
-        return 1
     except Exception as e:
-        log.exception("run failed: %s", e)
-        _emit_result({"ok": False, "error": str(e)[:2000]})
+        _report_failure(e)
+        _emit_result({"ok": False, "error": str(user_error(e) or e)[:2000]})
         return 1
     _emit_result({"ok": True, **result})
     return 0
+
+
+def _report_failure(e: Exception) -> None:
+    """A user error (a missing data file, a model path, a checkpoint that does not fit: app/errors.py) is one
+    line that names the fix, its traceback only at log_level=DEBUG; anything else is a crash, with its
+    traceback."""
+    found = user_error(e)
+    if found is None:
+        log.exception("run failed: %s", e)
+        return
+    log.error("%s", found)
+    log.debug("traceback of the error above (log_level=DEBUG)", exc_info=e)
 
 
 if __name__ == "__main__":

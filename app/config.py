@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ConfigTypeError, ValidationError
+
+from app.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -63,7 +65,7 @@ REGISTRIES: dict[str, tuple[str, str]] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key or value is wrong; the message names the key and what would be valid."""
 
 
@@ -134,26 +136,57 @@ class _Section:
                 )
 
 
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-code", "builtin:tiny-calc")
+BUILTIN_DATA = ("builtin:arith", "builtin:code", "builtin:calc")
+
+
 @dataclass
 class ModelConfig(_Section):
     path: str = "builtin:tiny"
-    """A local HF checkpoint folder, or `builtin:tiny` to build (once, cached) the embedded tiny model
-    (`builtin:tiny-code`: the same with an ASCII tokenizer, for `builtin:code`; `builtin:tiny-calc`: with the
-    calculator's symbols, for `builtin:calc`)."""
+    """A local HF checkpoint folder (`~` expanded), a Hugging Face hub id (`Qwen/Qwen2.5-0.5B-Instruct`: taken
+    from the local HF cache, HF_HUB_CACHE or HF_HOME, else downloaded; app/model_path.py), or `builtin:tiny` to
+    build (once, cached) the embedded tiny model (`builtin:tiny-code`: the same with an ASCII tokenizer, for
+    `builtin:code`; `builtin:tiny-calc`: with the calculator's symbols, for `builtin:calc`)."""
     dtype: Dtype = "float32"
     """Parameter dtype of trainer and replicas: float32 on CPU, bfloat16 on GPU."""
     cache_dir: str = ".cache/relay"
     """Where the embedded model and task are built and cached."""
+    allow_toy_settings: bool = False
+    """A model that is not built in is refused at load with the embedded default's toy settings (a `builtin:*`
+    dataset, data.max_prompt_tokens=64, rollout.max_tokens=8, train.lr=1e-3, float32, vLLM or the trainer on
+    CPU), naming the keys to set or the preset (`--config gsm8k`, `--config math`); true keeps them on
+    purpose (benchmarks of model shapes on the toy task, a real model on CPU)."""
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        if self.path.startswith("builtin:"):
+            where = " (or a checkpoint folder, or a hub id Org/Name)"
+            _check_choice(f"{prefix}path", self.path, BUILTIN_MODELS, where)
 
 
 @dataclass
 class DataConfig(_Section):
-    train: str = "builtin:arith"
+    train: Any = "builtin:arith"
     """`builtin:arith`, `builtin:code` (small programs with tests, scored in the sandbox), `builtin:calc`
     (two-digit products with a calculator tool: multi-turn, env.name=calculator), or a .parquet
-    (verl layout) / .jsonl (`{"prompt", "answer"}`) file."""
-    val: str = "builtin:arith"
-    """Validation split: `builtin:arith` (its held-out split) or a file like `train`."""
+    (verl layout) / .jsonl (`{"prompt", "answer"}`) file (`~` expanded), or a list of such files
+    (`data.train=[a.parquet,b.jsonl]`): mixed as `train_weights` says. With several files each row's uid
+    is prefixed with its file's position (`1/17`). Every file's columns and first rows are checked at start,
+    before Ray; the rest where they are read, naming the file and the row."""
+    train_weights: list[float] = field(default_factory=list)
+    """One weight per `data.train` file: each epoch draws from the files in these proportions, until the
+    file with the fewest rows per weight is used up (the other files give a fresh seeded sample of their
+    share each epoch, so every row comes up across epochs). Empty: every row of every file once per epoch."""
+    val: Any = "builtin:arith"
+    """Validation split: `builtin:arith` (its held-out split) or a file (or a list of files) like `train`."""
+    prompt_key: str = "prompt"
+    """The field (column) holding the prompt: a string or chat messages. A dotted key reads a nested field."""
+    answer_key: str = ""
+    """The field holding the reference answer (e.g. `solution`, `reward_model.ground_truth`); "": verl's
+    `reward_model.ground_truth`, else `answer`."""
+    data_source_key: str = "data_source"
+    """The field naming each row's data source (picks `reward.fn=auto`'s reward); rows without one take their
+    file's name."""
     max_prompt_tokens: int = 64
     """Prompts longer than this are handled per `truncation`."""
     truncation: Truncation = "drop"
@@ -174,6 +207,51 @@ class DataConfig(_Section):
         "seed": _SEED,
         "epochs": rng(">= 0", "0: unlimited"),
     }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        for split in ("train", "val"):
+            files = data_files(getattr(self, split), f"{prefix}{split}")
+            for spec in files:
+                if spec.startswith("builtin:"):
+                    _check_choice(f"{prefix}{split}", spec, BUILTIN_DATA, " (or a .parquet / .jsonl file)")
+                    _check(
+                        f"{prefix}{split}",
+                        len(files) == 1,
+                        f"{spec} is a built-in task: give it alone, not in a list of files",
+                    )
+        n = len(data_files(self.train))
+        _check(
+            f"{prefix}train_weights",
+            not self.train_weights or len(self.train_weights) == n,
+            f"{list(self.train_weights)}: {len(self.train_weights)} weights for {n} data.train file(s); give one "
+            f"per file, in the same order (e.g. {prefix}train_weights=[{','.join(['1'] * n)}]), or [] for none",
+        )
+        _check(
+            f"{prefix}train_weights",
+            all(math.isfinite(w) and w > 0 for w in self.train_weights),
+            f"{list(self.train_weights)}: every weight must be a finite number > 0 (drop a file to leave it out)",
+        )
+        for name in ("prompt_key", "data_source_key"):
+            _check(f"{prefix}{name}", bool(getattr(self, name)), "empty; name the field, e.g. the default")
+
+
+def data_files(spec: Any, key: str = "data.train") -> list[str]:
+    """`data.train` / `data.val` as a list of file specs (one string, or a list of strings). Raises
+    ConfigError for anything else."""
+    if isinstance(spec, str):
+        files = [spec]
+    elif isinstance(spec, (list, tuple, ListConfig)) and all(isinstance(x, str) for x in spec):
+        files = list(spec)
+    else:
+        files = []
+    _check(
+        key,
+        bool(files) and all(f.strip() for f in files),
+        f"{spec!r}; expected a file path (.parquet / .jsonl), a built-in task ({', '.join(BUILTIN_DATA)}) or a "
+        f"non-empty list of file paths in brackets, e.g. {key}=[a.parquet,b.parquet]",
+    )
+    return files
 
 
 @dataclass
@@ -623,7 +701,12 @@ class ResourcesConfig(_Section):
     start (app/infra/resources.py), which refuses a plan that does not fit."""
 
     rollout_gpus: float = 0.0
-    """GPUs of the rollout role, split evenly over rollout.max_replicas (sets rollout.replica_gpus)."""
+    """GPUs of the rollout role, split evenly over rollout.max_replicas (sets rollout.replica_gpus); with
+    `gpus_per_replica`, as many replicas as fit."""
+    gpus_per_replica: float = 0.0
+    """With rollout_gpus: GPUs of one vLLM replica; the rollout share then runs as many replicas as fit (sets
+    rollout.min_replicas = max_replicas; a share under one replica's GPUs runs one replica on the share, as on
+    a single GPU shared with the trainer). 0: the share is split over rollout.max_replicas."""
     train_gpus: float = 0.0
     """GPUs of the trainer: one per Ray Train worker (sets train.use_gpu and train.workers)."""
     ref_gpus: float = 0.0
@@ -654,6 +737,7 @@ class ResourcesConfig(_Section):
         name: _SHARE
         for name in (
             "rollout_gpus",
+            "gpus_per_replica",
             "train_gpus",
             "ref_gpus",
             "rollout_cpus",
@@ -775,12 +859,51 @@ class RelayConfig(_Section):
             f"{self.env.max_total_tokens}: data.max_prompt_tokens + this ({budget}) exceeds "
             f"rollout.max_model_len ({self.rollout.max_model_len}); lower it or raise max_model_len",
         )
+        _check_real_model(self)
         _check(
             f"{prefix}data.train",
             not (self.model.path == "builtin:tiny" and "builtin:code" in (self.data.train, self.data.val)),
             "builtin:code needs a tokenizer that can write programs: model.path=builtin:tiny-code (the tiny "
             "model with an ASCII tokenizer; `--config code` sets it up) or a real instruction-tuned model; "
             "the arithmetic tiny model's tokenizer only knows digits and a few letters",
+        )
+
+
+def _toy_settings(cfg: RelayConfig) -> list[str]:
+    """The embedded default's toy settings still in `cfg`, each with the value a real run would set."""
+    d, r, t, res = cfg.data, cfg.rollout, cfg.train, cfg.resources
+    found = [
+        f"data.{split}={spec} (the tiny model's toy task; give your .parquet / .jsonl, e.g. from "
+        "scripts/prepare_data.py)"
+        for split, spec in (("train", d.train), ("val", d.val))
+        if isinstance(spec, str) and spec.startswith("builtin:")
+    ]
+    toy = {
+        "data.max_prompt_tokens": (d.max_prompt_tokens == 64, "512"),
+        "rollout.max_tokens": (r.max_tokens == 8, "1024"),
+        "train.lr": (math.isclose(t.lr, 1e-3), "1e-6"),
+        "model.dtype": (cfg.model.dtype == "float32", "bfloat16"),
+    }
+    found += [f"{key}={_default(key)} (e.g. {key}={fix})" for key, (hit, fix) in toy.items() if hit]
+    if not (r.replica_gpus > 0 or res.rollout_gpus > 0) or not (t.use_gpu or res.train_gpus > 0):
+        found.append(
+            "vLLM or the trainer on CPU (e.g. resources.rollout_gpus=0.5 resources.train_gpus=0.5: half of the "
+            "cluster's GPUs each; or rollout.replica_gpus and train.use_gpu)"
+        )
+    return found
+
+
+def _check_real_model(cfg: RelayConfig) -> None:
+    """A model that is not built in must not run with the toy default's data, limits, lr, dtype or CPUs."""
+    if cfg.model.path.startswith("builtin:") or cfg.model.allow_toy_settings:
+        return
+    found = _toy_settings(cfg)
+    if found:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is not the built-in tiny model, but the config keeps the embedded "
+            f"default's toy settings: {'; '.join(found)}. Start from a preset for real work (`--config gsm8k` "
+            "or `--config math`, then set model.path and data.train / data.val), or set those keys; "
+            "model.allow_toy_settings=true keeps them on purpose (a benchmark of model shapes, a real model on CPU)"
         )
 
 
@@ -841,19 +964,95 @@ def _did_you_mean(word: str, options: Any) -> str:
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
+def _section_of(name: str) -> type | None:
+    """The section class a dotted name ("" for the root) refers to, or None if it is not a section."""
+    cls: type = RelayConfig
+    for part in filter(None, name.split(".")):
+        hint = _hints(cls).get(part)
+        if not (isinstance(hint, type) and is_dataclass(hint)):
+            return None
+        cls = hint
+    return cls
+
+
+def _keys_of(section: str) -> list[str]:
+    """The keys directly under `section` ("" : the sections and the top-level keys)."""
+    return [k for k in ALL_KEYS if (k.rsplit(".", 1)[0] if "." in k else "") == section]
+
+
+def _unknown_key(key: str) -> ConfigError:
+    """An unknown dotted key: the closest known keys, and the valid keys of the deepest section that exists
+    (the valid sections where the first part is already wrong: `trian.steps`)."""
+    parts = key.split(".")
+    section = ""
+    for i in range(1, len(parts)):
+        if _section_of(".".join(parts[:i])) is None:
+            break
+        section = ".".join(parts[:i])
+    close = difflib.get_close_matches(key, ALL_KEYS, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    if not section and len(parts) > 1:
+        sections = [k for k in _keys_of("") if _section_of(k) is not None]
+        return ConfigError(
+            f"unknown config key '{key}': there is no section '{parts[0]}'.{hint} Valid sections: "
+            f"{', '.join(sections)}"
+        )
+    where = f"in section '{section}'" if section else "at the top level"
+    return ConfigError(
+        f"unknown config key '{key}'.{hint} Valid keys {where}: {', '.join(_keys_of(section))}"
+    )
+
+
+def _default(key: str) -> Any:
+    node: Any = RelayConfig()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _expects(key: str) -> str:
+    """What a key's type accepts, in words, with an example: for messages about a value of the wrong type."""
+    leaf = _leaf(key)
+    if leaf is None:
+        return ""
+    hint = _hints(leaf[0])[leaf[1]]
+    origin, args = get_origin(hint), get_args(hint)
+    default = _default(key)
+    shown = default if isinstance(default, str) else json.dumps(default, separators=(",", ":"))
+    example, note = shown or '""', "the default"
+    if origin is list:
+        what = f"a list in brackets of {_PLURAL.get(args[0], 'values')}"
+    elif origin is dict:
+        what = f"a mapping in braces of names to {_PLURAL.get(args[1], 'values')}"
+        example, note = (example, note) if default else ("{NAME:1}", f"default {shown}")
+    elif type(None) in args:
+        what = f"{_TYPE_WORDS.get(next(a for a in args if a is not type(None)), 'a value')}, or null"
+    else:
+        what = _TYPE_WORDS.get(hint, f"a value of type {getattr(hint, '__name__', hint)}")
+    return f"expected {what}, e.g. {key}={example} ({note})"
+
+
+_TYPE_WORDS: dict[Any, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_PLURAL: dict[Any, str] = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+
+
 def _explain(exc: Exception, key: str | None = None) -> ConfigError:
-    key = key or getattr(exc, "full_key", None) or "?"
+    key = re.sub(r"\[\d+\]$", "", key or getattr(exc, "full_key", None) or "?")  # `train.betas[0]`: the list
     msg = str(exc).split("\n")[0]
     if isinstance(exc, ConfigKeyError) or "not in struct" in msg or ("Key '" in msg and "not" in msg):
-        close = difflib.get_close_matches(key, ALL_KEYS, n=3, cutoff=0.5)
-        section = key.rsplit(".", 1)[0] if "." in key else ""
-        valid = [k for k in ALL_KEYS if k.rsplit(".", 1)[0] == section and k.count(".") == key.count(".")]
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        return ConfigError(f"unknown config key '{key}'.{hint} Valid keys here: {', '.join(valid)}")
+        return _unknown_key(key)
     got = re.match(r"Invalid value '(.*)', expected one of", msg)
     if got and choices(key):  # OmegaConf's Literal check: name the choices our way
         value = got[1]
         return ConfigError(_choice_message(key, value, choices(key)))
+    if _section_of(key) is not None and key != "?":  # `train=3`
+        return ConfigError(
+            f"invalid value for '{key}': it is a section, not a value; set its keys (e.g. "
+            f"{_keys_of(key)[0]}=...). Valid keys in section '{key}': {', '.join(_keys_of(key))}"
+        )
+    expects = _expects(key)
+    if expects:  # OmegaConf's own words ("AnyNode is not a ListConfig") name its internals, not the fix
+        return ConfigError(f"invalid value for '{key}': {expects}")
     return ConfigError(f"invalid value for '{key}': {msg}")
 
 
@@ -1012,9 +1211,10 @@ def _resolve_config_file(name: str) -> Path:
     raise ConfigError(f"config file '{name}' {what}; give a path or one of the presets: {', '.join(presets)}")
 
 
-def _layers(config_file: str | None, overrides: list[str]) -> list[tuple[str, DictConfig]]:
-    """The config file and each `key=value` as OmegaConf layers, read with `_YamlLoader`."""
-    layers: list[tuple[str, DictConfig]] = []
+def _layers(config_file: str | None, overrides: list[str]) -> list[tuple[str, str | None, DictConfig]]:
+    """The config file and each `key=value` as OmegaConf layers, read with `_YamlLoader`: (source, the
+    override's key or None for the file, layer)."""
+    layers: list[tuple[str, str | None, DictConfig]] = []
     if config_file:
         path = _resolve_config_file(config_file)
         try:
@@ -1025,7 +1225,7 @@ def _layers(config_file: str | None, overrides: list[str]) -> list[tuple[str, Di
             raise ConfigError(
                 f"config file {path} must be a mapping of sections (e.g. `train:`), not {data!r:.80}"
             )
-        layers.append((str(path), OmegaConf.create(data)))
+        layers.append((str(path), None, OmegaConf.create(data)))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=20)")
@@ -1037,18 +1237,18 @@ def _layers(config_file: str | None, overrides: list[str]) -> list[tuple[str, Di
             OmegaConf.update(layer, key, _yaml(raw) if raw.strip() else raw)  # `key=` is the empty string
         except Exception as e:
             raise ConfigError(f"cannot parse override '{item}': {e}") from e
-        layers.append((item, layer))
+        layers.append((item, key, layer))
     return layers
 
 
 def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Defaults < config file < `key=value` overrides, validated. Raises ConfigError with a helpful message."""
     cfg = OmegaConf.structured(RelayConfig)
-    for source, layer in _layers(config_file, list(overrides or [])):
+    for source, key, layer in _layers(config_file, list(overrides or [])):
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except (ConfigKeyError, ValidationError, ConfigTypeError) as e:
-            err = _explain(e)
+            err = _explain(e, key)
             raise ConfigError(f"{err} (from {source})") from e
     validate(cfg)
     return cfg  # type: ignore[return-value]

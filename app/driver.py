@@ -16,59 +16,60 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from app.config import flatten, to_container
-from app.rollout.prompt_files import PromptRow, check_file, load_rows
+from app.config import ConfigError, data_files, flatten, to_container
+from app.model_path import resolve_model_path
+from app.rollout.prompt_files import Columns, PromptRow, check_file, load_rows, uid_prefix
 
 log = logging.getLogger("app.driver")
 
 
 @dataclass
 class Inputs:
-    """The model folder and the prompt files. The rollouter reads the files itself (in Ray Data), so the
-    driver never holds a dataset; `train_rows`/`val_rows` load one whole, for tools and tests."""
+    """The model folder and the prompt files of each split (resolved paths; several files are mixed per
+    data.train_weights). The rollouter reads the files itself (in Ray Data), so the driver never holds a
+    dataset; `train_rows`/`val_rows` load them whole, for tools and tests."""
 
     model_path: str
-    train: str
-    val: str
+    train: list[str]
+    val: list[str]
+    columns: Columns = field(default_factory=Columns)
+
+    def _rows(self, files: list[str]) -> list[PromptRow]:
+        return [
+            r
+            for i, f in enumerate(files)
+            for r in load_rows(f, self.columns, uid_prefix=uid_prefix(i, len(files)))
+        ]
 
     @property
     def train_rows(self) -> list[PromptRow]:
-        return load_rows(self.train)
+        return self._rows(self.train)
 
     @property
     def val_rows(self) -> list[PromptRow]:
-        return load_rows(self.val)
+        return self._rows(self.val)
 
 
 def resolve_inputs(cfg: DictConfig) -> Inputs:
-    """The model folder and the prompt files, building the embedded default where asked."""
+    """The model folder and the prompt files, building the embedded default where asked. The prompt files are
+    checked first (their columns and first rows: app/rollout/prompt_files.py `check_file`), then the model is
+    found (a folder, or a hub id from the HF cache or downloaded: app/model_path.py), all before Ray starts."""
+    columns = Columns.from_cfg(cfg.data)
+    specs = {"train": data_files(cfg.data.train), "val": data_files(cfg.data.val, "data.val")}
+    for spec in (s for files in specs.values() for s in files if not s.startswith("builtin:")):
+        check_file(spec, columns)  # missing, unknown format, columns, first rows: before the cluster starts
     root = None
     model_path = cfg.model.path
-    if model_path == "builtin:tiny" or "builtin:arith" in (cfg.data.train, cfg.data.val):
+    if model_path == "builtin:tiny" or "builtin:arith" in (*specs["train"], *specs["val"]):
         from app.tasks.tiny import ensure_builtin
 
         root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
-    if model_path == "builtin:tiny":
-        model_path = str(root / "model")
-    elif model_path == "builtin:tiny-calc":
-        from app.tasks.calc import ensure_builtin_calc
-
-        model_path = str(ensure_builtin_calc(cfg.model.cache_dir, seed=cfg.seed) / "model")
-    elif model_path == "builtin:tiny-code":
-        from app.tasks.tiny import ensure_builtin_code
-
-        model_path = str(ensure_builtin_code(cfg.model.cache_dir, seed=cfg.seed) / "model")
-    elif not Path(model_path, "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path={model_path!r} is not an HF checkpoint folder (no config.json); "
-            "point it at a local checkpoint or use builtin:tiny"
-        )
 
     def path(spec: str, split: str) -> str:
         if spec == "builtin:arith":
@@ -81,16 +82,23 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
             from app.tasks.calc import ensure_calc_task
 
             return str(ensure_calc_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
-        if spec.startswith("builtin:"):
-            raise ValueError(
-                f"data.{split}={spec!r}: unknown built-in task; available: builtin:arith, builtin:code, "
-                "builtin:calc"
-            )
-        check_file(spec)  # a missing file or an unknown format fails here, before the cluster starts
-        return str(Path(spec).resolve())
+        return str(Path(spec).expanduser().resolve())
 
+    train, val = ([path(f, split) for f in specs[split]] for split in ("train", "val"))
+    if model_path == "builtin:tiny":
+        model_path = str(root / "model")
+    elif model_path == "builtin:tiny-calc":
+        from app.tasks.calc import ensure_builtin_calc
+
+        model_path = str(ensure_builtin_calc(cfg.model.cache_dir, seed=cfg.seed) / "model")
+    elif model_path == "builtin:tiny-code":
+        from app.tasks.tiny import ensure_builtin_code
+
+        model_path = str(ensure_builtin_code(cfg.model.cache_dir, seed=cfg.seed) / "model")
+    else:
+        model_path = resolve_model_path(model_path)  # a folder (`~` expanded) or a hub id
     check_context(cfg, model_path)
-    return Inputs(str(Path(model_path).resolve()), path(cfg.data.train, "train"), path(cfg.data.val, "val"))
+    return Inputs(str(Path(model_path).resolve()), train, val, columns)
 
 
 def check_context(cfg: DictConfig, model_path: str) -> None:
@@ -102,7 +110,7 @@ def check_context(cfg: DictConfig, model_path: str) -> None:
         return  # not readable here: vLLM says what it thinks
     positions = hf.get("max_position_embeddings")
     if isinstance(positions, int) and not hf.get("rope_scaling") and cfg.rollout.max_model_len > positions:
-        raise ValueError(
+        raise ConfigError(
             f"rollout.max_model_len={cfg.rollout.max_model_len} is over the model's max_position_embeddings="
             f"{positions} ({model_path}/config.json): set rollout.max_model_len={positions} or less, or use a "
             "model with a longer context"

@@ -20,6 +20,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from app.errors import UserError
+
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -32,7 +34,7 @@ def import_module(hint: str, module_name: str) -> Any:
         raise PluginError(hint, f"cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
 
 
-class PluginError(ValueError):
+class PluginError(UserError, ValueError):
     """A config value names no built-in and no importable object; the message names the key and the fix
     (`hint`), then why (`reason`), which callers with their own hint use alone."""
 

@@ -109,7 +109,7 @@ def main() -> None:
     if args.shape != "embedded":  # random weights, full vocabulary: throughput, not learning
         from bench.qwen_shapes import build_model_dir
 
-        common.append(f"model.path={build_model_dir(args.shape, args.models)}")
+        common += [f"model.path={build_model_dir(args.shape, args.models)}", "model.allow_toy_settings=true"]
     extra = {
         "fully_async": [
             f"algorithm.max_staleness={args.max_staleness}",

@@ -100,6 +100,7 @@ def run_shape(
         preset,
         [
             f"model.path={path}",
+            "model.allow_toy_settings=true",  # a model shape on the toy task
             f"model.cache_dir={models}",
             f"ray.name={name}",
             f"sync.bucket_mb={bucket_mb}",

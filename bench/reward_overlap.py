@@ -206,7 +206,10 @@ def common_overrides(args: argparse.Namespace, out: Path) -> list[str]:
     ]
     if args.context:
         seed = load_config(None, []).seed
-        common.append(f"model.path={long_context_model(args.cache_dir, args.context, seed)}")
+        common += [
+            f"model.path={long_context_model(args.cache_dir, args.context, seed)}",
+            "model.allow_toy_settings=true",
+        ]
     return common
 
 

@@ -38,8 +38,9 @@ def test_unknown_key_names_key_and_suggests():
 
 
 def test_unknown_section():
-    with pytest.raises(ConfigError, match="unknown config key 'trainer.steps'"):
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.steps'") as e:
         load_config(None, ["trainer.steps=3"])
+    assert "Valid sections: model, data, rollout, train," in str(e.value)
 
 
 def test_invalid_choice_lists_choices():
@@ -313,3 +314,245 @@ def test_vllm_rotary_reload_warning_filtered(caplog):
         assert configure_logging("warning") == "WARNING" and logging.getLogger().level == logging.WARNING
     finally:
         logging.getLogger().setLevel(level)
+
+
+# ------------------------------------------------------------------ errors through the command line
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    """`python -m app ...` in a subprocess (its real stdout and stderr): exit code, stdout, stderr."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    p = subprocess.run(
+        [sys.executable, "-m", "app", *argv], capture_output=True, text=True, timeout=120, cwd=root, env=env
+    )
+    return p.returncode, p.stdout, p.stderr
+
+
+def _result(stdout: str) -> dict:
+    import json
+
+    last = stdout.rstrip("\n").splitlines()[-1]
+    assert last.startswith("RESULT "), stdout
+    return json.loads(last[len("RESULT ") :])
+
+
+def test_cli_section_typo_names_the_valid_sections_and_prints_result():
+    rc, out, err = _cli("train", "--print-config", "trian.steps=3")
+    assert rc == 2
+    res = _result(out)
+    assert res["ok"] is False and "there is no section 'trian'" in res["error"]
+    assert "Did you mean train.steps" in res["error"]
+    assert "Valid sections: model, data, rollout, train, algorithm" in res["error"]
+    assert "Valid sections: model" in err and err.count("\n") == 1, err  # one line on stderr
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "train.betas=0.9",
+            "expected a list in brackets of numbers, e.g. train.betas=[0.9,0.99] (the default)",
+        ),
+        ("train.betas=[a,b]", "expected a list in brackets of numbers"),
+        ("train.steps=many", "expected an integer, e.g. train.steps=60 (the default)"),
+        ("train.use_gpu=maybe", "expected true or false, e.g. train.use_gpu=false"),
+        ("rollout.gpu_memory_utilization=x", "expected a number, or null"),
+        ("resources.rollout_custom=3", "expected a mapping in braces of names to numbers"),
+        (
+            "model=3",
+            "it is a section, not a value; set its keys (e.g. model.path=...). Valid keys in section",
+        ),
+        ("data.nope=1", "Valid keys in section 'data': data.train, data.train_weights, data.val"),
+        ("nope=1", "Valid keys at the top level: model, data,"),
+        (
+            "model.path=builtin:tinyy",
+            "choose exactly one of builtin:tiny, builtin:tiny-code, builtin:tiny-calc",
+        ),
+        ("data.val=builtin:arth", "choose exactly one of builtin:arith, builtin:code, builtin:calc"),
+    ],
+)
+def test_wrong_values_say_what_is_expected(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert expected in msg and "AnyNode" not in msg and "ListConfig" not in msg, msg
+
+
+def test_wrong_type_in_a_config_file_names_key_and_expectation(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  betas: 0.9\n")
+    with pytest.raises(ConfigError, match=r"'train.betas': expected a list in brackets of numbers.*c.yaml"):
+        load_config(str(f), [])
+    f.write_text("trian:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'trian'.*Valid keys at the top level: model"):
+        load_config(str(f), [])
+
+
+def test_user_error_is_one_line_with_the_traceback_only_at_debug(tmp_path):
+    """A missing data file: one line naming the file and the fix, RESULT ok=false; at DEBUG, the traceback."""
+    val = tmp_path / "val.jsonl"
+    val.write_text('{"prompt": "q", "answer": "1"}\n')
+    args = ["train", f"data.train={tmp_path / 'missing.jsonl'}", f"data.val={val}", f"run_dir={tmp_path}"]
+    rc, out, err = _cli(*args)
+    assert rc == 1 and "missing.jsonl: file not found" in _result(out)["error"]
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "ERROR" in lines[0] and "check data.train" in lines[0], err
+    assert "Traceback" not in err
+    rc, out, err = _cli(*args, "log_level=DEBUG")
+    assert rc == 1 and "Traceback (most recent call last)" in err and "DataError" in err
+
+
+def test_user_error_found_inside_a_wrapping_exception():
+    from app.errors import user_error
+    from app.rollout.prompt_files import DataError
+
+    inner = DataError("f.jsonl row 3: missing key 'prompt'")
+
+    class TaskError(RuntimeError):  # Ray's RayTaskError keeps what the task raised as `cause`
+        def __init__(self, cause):
+            super().__init__("task failed")
+            self.cause = cause
+
+    assert user_error(TaskError(inner)) is inner
+    try:
+        try:
+            raise inner
+        except DataError as e:
+            raise RuntimeError("while starting the rollouter") from e
+    except RuntimeError as outer:
+        assert user_error(outer) is inner
+    assert user_error(RuntimeError("a crash")) is None
+
+
+# ------------------------------------------------------------------ presets for real work
+
+
+def test_real_model_with_toy_settings_is_refused_naming_every_fix():
+    rc, out, _ = _cli(
+        "train",
+        "--print-config",
+        "model.path=/models/Qwen2.5-0.5B-Instruct",
+        "data.train=/d/t.parquet",
+    )
+    msg = _result(out)["error"]
+    assert rc == 2
+    for part in (
+        "data.val=builtin:arith",
+        "data.max_prompt_tokens=64 (e.g. data.max_prompt_tokens=512)",
+        "rollout.max_tokens=8",
+        "train.lr=0.001 (e.g. train.lr=1e-6)",
+        "model.dtype=float32 (e.g. model.dtype=bfloat16)",
+        "vLLM or the trainer on CPU",
+        "`--config gsm8k` or `--config math`",
+        "model.allow_toy_settings=true",
+    ):
+        assert part in msg, (part, msg)
+    assert "data.train=" not in msg.split("toy settings:")[1].split(";")[0]  # the user's file is no toy
+
+
+def test_real_model_with_builtin_val_alone_is_refused():
+    with pytest.raises(ConfigError) as e:
+        load_config("gsm8k", ["model.path=/models/m", "data.val=builtin:arith"])
+    msg = str(e.value)
+    assert "data.val=builtin:arith" in msg and "max_prompt_tokens" not in msg, msg
+
+
+def test_allow_toy_settings_keeps_them_on_purpose():
+    cfg = load_config(None, ["model.path=/models/m", "model.allow_toy_settings=true"])
+    assert cfg.model.path == "/models/m" and cfg.data.val == "builtin:arith"
+
+
+@pytest.mark.parametrize(
+    "preset, model, fn, val_size",
+    [
+        ("gsm8k", "Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", 1319),
+        ("math", "Qwen/Qwen2.5-1.5B-Instruct", "math", 500),
+    ],
+)
+def test_real_work_presets(preset, model, fn, val_size):
+    cfg = load_config(preset, [])
+    assert cfg.model.path == model and cfg.model.dtype == "bfloat16" and cfg.reward.fn == fn
+    assert cfg.train.lr == 1e-6 and cfg.data.max_prompt_tokens >= 512 and cfg.rollout.max_tokens >= 1024
+    assert cfg.data.val.endswith("test.parquet") and cfg.data.val_size == val_size
+    assert load_config(preset, ["model.path=/models/mine"]).model.path == "/models/mine"
+
+
+@pytest.mark.parametrize(
+    "gpus, replicas, replica_gpus, workers, worker_gpus",
+    [(1, 1, 0.5, 1, 0.5), (2, 1, 1.0, 1, None), (4, 2, 1.0, 2, None), (8, 4, 1.0, 4, None)],
+)
+def test_preset_placement_follows_the_cluster(gpus, replicas, replica_gpus, workers, worker_gpus):
+    from app.infra.resources import resolve
+
+    got = resolve(load_config("gsm8k", []), {"CPU": 16 * gpus, "GPU": gpus})
+    assert got["rollout.min_replicas"] == got["rollout.max_replicas"] == replicas
+    assert got["rollout.replica_gpus"] == replica_gpus
+    assert got["train.use_gpu"] is True and got["train.workers"] == workers
+    assert got.get("train.worker_gpus") == worker_gpus
+
+
+# ------------------------------------------------------------------ model paths
+
+
+def _hub_cache(root, repo="Org/Tiny-Model", rev="0123abcd"):
+    snap = root / f"models--{repo.replace('/', '--')}" / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 4096}')
+    (root / f"models--{repo.replace('/', '--')}" / "refs").mkdir()
+    (root / f"models--{repo.replace('/', '--')}" / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_hub_id_resolves_from_the_local_hf_cache(tmp_path, monkeypatch):
+    from app.driver import resolve_inputs
+
+    snap = _hub_cache(tmp_path / "hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network: found in the cache or refused
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "q", "answer": "1"}\n')
+    cfg = load_config("gsm8k", ["model.path=Org/Tiny-Model", f"data.train={data}", f"data.val={data}"])
+    assert resolve_inputs(cfg).model_path == str(snap.resolve())
+
+
+def test_hub_cache_from_hf_home_and_newest_snapshot_without_ref(tmp_path, monkeypatch):
+    from app.model_path import resolve_model_path
+
+    snap = _hub_cache(tmp_path / "home" / "hub", "Org/M", "r1")
+    (snap.parent.parent / "refs" / "main").unlink()
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert resolve_model_path("Org/M") == str(snap)
+
+
+def test_hub_id_not_cached_offline_says_where_it_looked_and_the_fix(tmp_path, monkeypatch):
+    from app.model_path import ModelPathError, resolve_model_path
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelPathError) as e:
+        resolve_model_path("Org/Absent")
+    msg = str(e.value)
+    assert str(tmp_path / "empty") in msg and "hf download Org/Absent" in msg and "HF_HUB_OFFLINE" in msg
+
+
+def test_model_path_expands_home_and_names_the_fix(tmp_path, monkeypatch):
+    from app.model_path import ModelPathError, resolve_model_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text("{}")
+    assert resolve_model_path("~/models/m") == str(tmp_path / "models" / "m")
+    with pytest.raises(
+        ModelPathError, match=r"has no config.json.*hub id such as Qwen/Qwen2.5-0.5B-Instruct"
+    ):
+        resolve_model_path(str(tmp_path / "models"))
+    with pytest.raises(ModelPathError, match="does not exist"):
+        resolve_model_path("./no/such/place")

@@ -337,3 +337,187 @@ def test_filter_overlong_error():
 def test_filter_overlong_bad_policy():
     with pytest.raises(ValueError, match=r"data\.truncation='truncate'"):
         filter_overlong([], 4, "truncate")
+
+
+# ------------------------------------------------------------------ column mapping, several files, early checks
+
+
+def test_column_mapping_reads_other_field_names(tmp_path):
+    from app.rollout.prompt_files import Columns
+
+    path = write_jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {"question": "2+2?", "solution": "4", "meta": {"src": "arith-x"}},
+            {"question": [{"role": "user", "content": "3+3?"}], "solution": 6, "meta": {}},
+        ],
+    )
+    cols = Columns(prompt="question", answer="solution", data_source="meta.src")
+    rows = load_rows(path, cols)
+    assert [(r.prompt, r.answer, r.data_source) for r in rows] == [
+        ("2+2?", "4", "arith-x"),
+        ([{"role": "user", "content": "3+3?"}], "6", "mine"),  # no source in the row: the file's name
+    ]
+
+
+def test_mapped_answer_wins_over_verl_ground_truth(tmp_path):
+    from app.rollout.prompt_files import Columns
+
+    rec = {"prompt": "q", "reward_model": {"ground_truth": "1"}, "final": "2"}
+    assert normalize_row(rec, "f.jsonl", 0, 1, Columns(answer="final")).answer == "2"
+    assert normalize_row(rec, "f.jsonl", 0, 1, Columns(answer="reward_model.ground_truth")).answer == "1"
+    assert normalize_row(rec, "f.jsonl", 0, 1).answer == "1"
+
+
+def test_missing_mapped_field_names_the_setting_the_row_and_its_keys(tmp_path):
+    from app.rollout.prompt_files import Columns
+
+    path = write_jsonl(
+        tmp_path / "f.jsonl", [{"question": "q", "solution": "1"}, {"q": "x", "solution": "2"}]
+    )
+    with pytest.raises(DataError) as e:
+        load_rows(path, Columns(prompt="question", answer="solution"))
+    msg = str(e.value)
+    assert (
+        "f.jsonl row 1 (line 2)" in msg and "data.prompt_key=question" in msg and "['q', 'solution']" in msg
+    )
+
+
+def test_parquet_columns_checked_against_the_mapping(tmp_path):
+    from app.rollout.prompt_files import Columns
+
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"question": ["q"], "solution": ["1"]}), path)
+    with pytest.raises(
+        DataError, match=r"columns \['question', 'solution'\].*data.prompt_key, data.answer_key"
+    ):
+        load_rows(str(path))
+    rows = load_rows(str(path), Columns(prompt="question", answer="solution"))
+    assert (rows[0].prompt, rows[0].answer) == ("q", "1")
+    with pytest.raises(DataError, match=r"data.prompt_key='question', data.answer_key='answer'"):
+        load_rows(str(path), Columns(prompt="question", answer="answer"))
+
+
+def test_check_file_reads_only_the_first_rows(tmp_path):
+    from app.rollout.prompt_files import check_file
+
+    good = [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)]
+    path = write_jsonl(tmp_path / "f.jsonl", [*good, {"prompt": "late", "no_answer": 1}])
+    check_file(path, rows=5)  # the bad row 5 is past the first rows: found where the file is read in full
+    with pytest.raises(DataError, match=r"f.jsonl row 5 \(line 6\): missing key 'answer'"):
+        check_file(path, rows=6)
+    with pytest.raises(DataError, match="file not found"):
+        check_file(str(tmp_path / "nope.jsonl"))
+
+
+def test_bad_first_rows_fail_before_ray_and_before_any_model(tmp_path, monkeypatch):
+    """resolve_inputs (the driver, before Ray and MLflow) checks each file's first rows; a bad one fails there,
+    before the embedded model is built or a hub model looked up."""
+    import app.driver as driver
+    from app.config import load_config
+
+    good = write_jsonl(tmp_path / "val.jsonl", [{"prompt": "q", "answer": "1"}])
+    bad = write_jsonl(
+        tmp_path / "train.jsonl", [{"prompt": "q", "answer": "1"}, {"prompt": "", "answer": "2"}]
+    )
+    monkeypatch.setattr(driver, "resolve_model_path", lambda spec: pytest.fail("model resolved before data"))
+    cfg = load_config("gsm8k", [f"data.train=[{good},{bad}]", f"data.val={good}", "model.path=Org/Absent"])
+    with pytest.raises(DataError, match=r"train.jsonl row 1 \(line 2\): empty 'prompt'"):
+        driver.resolve_inputs(cfg)
+
+
+def test_several_files_get_distinct_uids(tmp_path):
+    """Two files that both number their rows from 0 and share a stem: every uid stays distinct (prefixed
+    with the file's position), through the driver's Inputs and the streaming stage alike."""
+    from app.config import load_config
+    from app.driver import resolve_inputs
+    from app.rollout.dataset import Normalize, jsonl_blocks
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = write_jsonl(
+        tmp_path / "a" / "train.jsonl", [{"prompt": "x", "answer": "1"}, {"prompt": "y", "answer": "2"}]
+    )
+    two = write_jsonl(tmp_path / "b" / "train.jsonl", [{"prompt": "z", "answer": "3"}])
+    cfg = load_config(None, [f"data.train=[{one},{two}]", f"data.val={one}", "data.train_weights=[2,1]"])
+    inputs = resolve_inputs(cfg)
+    assert inputs.train == [one, two] and inputs.val == [one]
+    assert [r.uid for r in inputs.train_rows] == ["0/train:0", "0/train:1", "1/train:0"]
+    assert [r.uid for r in inputs.val_rows] == ["train:0", "train:1"]  # one file: uids as they were
+    stage = Normalize(two, None, "1/")
+    assert [r.uid for b in jsonl_blocks(two) for r in stage.rows(b)] == ["1/train:0"]
+
+
+@pytest.mark.parametrize(
+    "sizes, weights, counts",
+    [
+        ([100, 1000], None, [100, 1000]),  # no weights: every row once
+        ([100, 1000], [1, 1], [100, 100]),  # equal shares: the small file sets the epoch
+        ([100, 1000], [1, 3], [100, 300]),
+        ([1000, 100], [1, 3], [33, 100]),  # the weighted-up small file sets it: 100 / 0.75 = 133 rows
+        ([10, 10, 10], [1, 2, 1], [5, 10, 5]),
+    ],
+)
+def test_epoch_counts_keep_the_weights(sizes, weights, counts):
+    from app.rollout.mixture import epoch_counts
+
+    got = epoch_counts(sizes, weights)
+    assert got == counts and all(k <= n for k, n in zip(got, sizes, strict=True))
+
+
+def test_sample_seeds_differ_by_epoch_and_file():
+    from app.rollout.mixture import sample_seed
+
+    seeds = {sample_seed(0, e, i) for e in range(50) for i in range(4)}
+    assert len(seeds) == 200 and sample_seed(3, 1, 0) == sample_seed(3, 1, 0)
+
+
+# ------------------------------------------------------------------ scripts/prepare_data.py
+
+
+def _prepare():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "prepare_data.py"
+    spec = importlib.util.spec_from_file_location("prepare_data", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prepare_gsm8k_writes_prompt_files_relay_reads(tmp_path):
+    from app.rewards import gsm8k_reward
+
+    src = write_jsonl(
+        tmp_path / "gsm8k_test.jsonl",
+        [
+            {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
+            {"question": "A big sum?", "answer": "...\n#### 1,234"},
+        ],
+    )
+    assert _prepare().main(["gsm8k", "--test", src, "--out", str(tmp_path / "out")]) == 0
+    rows = load_rows(str(tmp_path / "out" / "test.parquet"))
+    assert [r.answer for r in rows] == ["7", "1234"] and {r.data_source for r in rows} == {"openai/gsm8k"}
+    assert rows[0].prompt[0]["role"] == "user" and 'after "####"' in rows[0].prompt[0]["content"]
+    assert gsm8k_reward("so 3+4=7\n#### 7", rows[0].answer) == 1.0
+    assert gsm8k_reward("#### 1234", rows[1].answer) == 1.0
+
+
+def test_prepare_math_takes_the_last_boxed_answer(tmp_path):
+    mod = _prepare()
+    src = write_jsonl(
+        tmp_path / "math.jsonl",
+        [
+            {"problem": "Half of 1?", "solution": "First \\boxed{2} no, it is $\\boxed{\\frac{1}{2}}$."},
+            {"problem": "Given", "solution": "x", "answer": "\\sqrt{2}"},  # MATH-500 carries its answer
+        ],
+    )
+    assert mod.main(["math", "--train", src, "--out", str(tmp_path / "m")]) == 0
+    rows = load_rows(str(tmp_path / "m" / "train.parquet"))
+    assert [r.answer for r in rows] == ["$\\frac{1}{2}$", "$\\sqrt{2}$"]
+    assert {r.data_source for r in rows} == {"math"} and "\\boxed{}" in rows[0].prompt[0]["content"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "p", "solution": "no box here"}])
+    with pytest.raises(mod.PrepareError, match=r"bad.jsonl row 0: the solution has no \\boxed"):
+        mod.convert("math", mod.Path(bad), tmp_path / "x.parquet", "train")
+    assert mod.main(["math", "--train", bad, "--out", str(tmp_path / "x")]) == 2

@@ -29,11 +29,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from app.errors import UserError
+
 # what a role given no GPU starts with (Ray sets it only for roles that asked for GPUs)
 NO_GPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-class ResourceError(RuntimeError):
+class ResourceError(UserError, RuntimeError):
     """The roles ask for more than the cluster has; the message names each role's share and the fix."""
 
 
@@ -67,6 +69,8 @@ def resolve(cfg: Any, cluster: dict[str, float]) -> dict[str, Any]:
                     f"resources.{name}={value:g} is a share of {have:g}: nothing for the role"
                 )
             out[key] = total / units
+    if r.rollout_gpus and r.gpus_per_replica:
+        out.update(_replicas(r.rollout_gpus, r.gpus_per_replica, r.rollout_cpus, gpus, cpus))
     if r.train_gpus:
         total = _total(r.train_gpus, gpus)
         if total <= 0 or (total > 1 and abs(total - round(total)) > 1e-9):
@@ -113,6 +117,21 @@ def colocated(cfg: Any, gpus: float) -> dict[str, Any]:
         "train.workers": n,
         "train.worker_gpus": worker,
     }
+
+
+def _replicas(share: float, per: float, cpu_share: float, gpus: float, cpus: float) -> dict[str, Any]:
+    """`resources.rollout_gpus` with `gpus_per_replica`: as many replicas of `per` GPUs as the share holds
+    (one replica on the whole share where it is smaller than `per`), the rollout CPUs split over them."""
+    total = _total(share, gpus)
+    n = max(1, int(total / per + 1e-9))
+    out: dict[str, Any] = {
+        "rollout.min_replicas": n,
+        "rollout.max_replicas": n,
+        "rollout.replica_gpus": min(per, total),
+    }
+    if cpu_share:
+        out["rollout.replica_cpus"] = _total(cpu_share, cpus) / n
+    return out
 
 
 def custom(cfg: Any, role: str) -> dict[str, float]:

@@ -26,13 +26,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from app.errors import UserError
+
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".relay-run.lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
-class RunInUseError(RuntimeError):
+class RunInUseError(UserError, RuntimeError):
     """Another live run holds this run folder; the message names it and the fix."""
 
 

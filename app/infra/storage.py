@@ -13,10 +13,12 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from app.errors import UserError
+
 DEFAULT_RUN_DIR = "~/relay-runs"
 
 
-class RunDirError(ValueError):
+class RunDirError(UserError, ValueError):
     """`run_dir` names a place whose contents would not outlive the run; the message names the fix."""
 
 

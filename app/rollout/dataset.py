@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from app.records import Prompt
+from app.rollout.mixture import epoch_counts, sample_seed
 from app.rollout.prompt_files import (
+    Columns,
     DataError,
     PromptRow,
     check_columns,
@@ -36,6 +38,7 @@ from app.rollout.prompt_files import (
     no_rows,
     normalize_row,
     render_prompt,
+    uid_prefix,
 )
 
 BLOCK_ROWS = 4096  # rows per block the reader yields: bounded memory whatever the file's size
@@ -94,11 +97,13 @@ class Normalize:
     """Ray Data stage (one actor: one set of ids per file): the reader's records as checked prompt rows.
 
     Row numbers come with the records, so batches may arrive in any order; a duplicate id names the later
-    row and the earlier one, as `load_rows` does.
+    row and the earlier one, as `load_rows` does. `columns` maps the file's field names (data.*_key);
+    `prefix` goes before every uid (one of several files: `prompt_files.uid_prefix`).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, columns: Columns | None = None, prefix: str = "") -> None:
         self.path, self.jsonl = path, not is_parquet(path)
+        self.columns, self.prefix = columns, prefix
         self.seen: dict[str, tuple[int, int | None]] = {}  # uid -> (row, line) of its first row
 
     def rows(self, batch: Any) -> list[PromptRow]:
@@ -110,11 +115,12 @@ class Normalize:
                 rec = decode_line(rec["text"], self.path, row, line)
             else:
                 row, line = rec.pop(ROW), None
-            r = normalize_row(rec, self.path, row, line)
+            r = normalize_row(rec, self.path, row, line, self.columns)
             first = self.seen.setdefault(r.uid, (row, line))
             if first[0] != row:
                 (row0, _), (row1, line1) = sorted([first, (row, line)], key=lambda x: x[0])
                 raise duplicate_id(self.path, r.uid, row1, line1, row0)
+            r.uid = self.prefix + r.uid
             out.append(r)
         return out
 
@@ -180,15 +186,23 @@ class Prepare:
     actor each cost a dataset two more worker processes to start (each importing the reader and transformers),
     about half a minute of a 2-core machine per run."""
 
-    def __init__(self, path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str) -> None:
-        self.normalize = Normalize(path)
+    def __init__(
+        self,
+        path: str,
+        tokenizer_path: str,
+        max_prompt_tokens: int,
+        truncation: str,
+        columns: Columns | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.normalize = Normalize(path, columns, prefix)
         self.tokenize = Tokenize(tokenizer_path, max_prompt_tokens, truncation, path)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
         return self.tokenize(self.normalize(batch))
 
 
-def read_records(path: str, limit: int = 0):
+def read_records(path: str, limit: int = 0, columns: Columns | None = None):
     """The raw records of one prompt file (`limit` > 0: its first `limit` rows) as a Ray Data dataset, read on
     this node (`PromptFile`)."""
     import ray
@@ -196,7 +210,7 @@ def read_records(path: str, limit: int = 0):
     configure_data_context()
     p = check_path(path)  # here, on the rollouter's node, where the read task is pinned
     if is_parquet(p):
-        check_columns(p, _parquet_columns(p))
+        check_columns(p, _parquet_columns(p), columns)
     ds = ray.data.read_datasource(_prompt_file(str(p)), num_cpus=0.25)
     return ds.limit(limit) if limit > 0 else ds
 
@@ -279,15 +293,30 @@ def _prompt_file(path: str) -> Any:
     return _prompt_file_class()(path)
 
 
-def prompt_dataset(path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str, limit: int = 0):
+def prompt_dataset(
+    path: str,
+    tokenizer_path: str,
+    max_prompt_tokens: int,
+    truncation: str,
+    limit: int = 0,
+    columns: Columns | None = None,
+    prefix: str = "",
+):
     """The checked, tokenized prompts of one file (`limit` > 0: its first `limit` rows) as a Ray Data dataset
     of `plain_row` columns plus `prompt_ids`. Errors (raised when the dataset executes) name the file and the
     row / line."""
     import ray
 
-    return read_records(path, limit).map_batches(
+    return read_records(path, limit, columns).map_batches(
         Prepare,
-        fn_constructor_args=(str(check_path(path)), tokenizer_path, max_prompt_tokens, truncation),
+        fn_constructor_args=(
+            str(check_path(path)),
+            tokenizer_path,
+            max_prompt_tokens,
+            truncation,
+            columns,
+            prefix,
+        ),
         batch_format="pyarrow",
         batch_size=256,
         compute=ray.data.ActorPoolStrategy(size=1),
@@ -295,24 +324,75 @@ def prompt_dataset(path: str, tokenizer_path: str, max_prompt_tokens: int, trunc
     )
 
 
-def train_dataset(path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str):
-    """The tokenized training prompts, read once and materialized (the PromptStream shuffles per epoch)."""
-    with data_errors():
-        ds = prompt_dataset(path, tokenizer_path, max_prompt_tokens, truncation).materialize()
-    if ds.count() == 0:
-        raise no_rows(check_path(path))
-    return ds
+class TrainSet:
+    """The training prompts of one or more files (each read once, tokenized and materialized), epoch by
+    epoch: every row of every file, or with `weights` each file's share (app/rollout/mixture.py), shuffled
+    per epoch (seeded) when `shuffle`. The same epoch gives the same rows in the same order (a resume)."""
+
+    def __init__(self, datasets: list[Any], weights: list[float] | None, shuffle: bool, seed: int) -> None:
+        self.datasets, self.weights, self.shuffle, self.seed = datasets, list(weights or []), shuffle, seed
+        self.counts = epoch_counts([ds.count() for ds in datasets], self.weights)
+
+    def epoch(self, epoch: int) -> Iterator[dict[str, Any]]:
+        """The rows of `epoch` (Ray Data rows: see `to_prompt`)."""
+        parts = self.datasets
+        if self.weights:
+            parts = [
+                ds.random_shuffle(seed=sample_seed(self.seed, epoch, i)).limit(k)
+                for i, (ds, k) in enumerate(zip(self.datasets, self.counts, strict=True))
+            ]
+        ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+        if self.shuffle:
+            ds = ds.random_shuffle(seed=self.seed + epoch)
+        return ds.iter_rows()
+
+
+def train_dataset(
+    paths: str | list[str],
+    tokenizer_path: str,
+    max_prompt_tokens: int,
+    truncation: str,
+    columns: Columns | None = None,
+    weights: list[float] | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> TrainSet:
+    """The tokenized training prompts of each file, read once and materialized, as a `TrainSet` (the
+    PromptStream takes its epochs)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    datasets = []
+    for i, path in enumerate(paths):
+        with data_errors():
+            ds = prompt_dataset(
+                path, tokenizer_path, max_prompt_tokens, truncation, 0, columns, uid_prefix(i, len(paths))
+            ).materialize()
+        if ds.count() == 0:
+            raise no_rows(check_path(path))
+        datasets.append(ds)
+    return TrainSet(datasets, weights, shuffle, seed)
 
 
 def val_prompts(
-    path: str, tokenizer_path: str, max_prompt_tokens: int, truncation: str, val_size: int
+    paths: str | list[str],
+    tokenizer_path: str,
+    max_prompt_tokens: int,
+    truncation: str,
+    val_size: int,
+    columns: Columns | None = None,
 ) -> list[Prompt]:
-    """The first `val_size` (0: all) validation prompts that fit `max_prompt_tokens`."""
-    with data_errors():
-        rows = prompt_dataset(path, tokenizer_path, max_prompt_tokens, truncation, limit=val_size).take_all()
-    if not rows:
-        raise no_rows(check_path(path))
-    return [p for p in map(to_prompt, rows) if len(p.prompt_ids) <= max_prompt_tokens]
+    """The first `val_size` (0: all) validation prompts of each file that fit `max_prompt_tokens`."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    out: list[Prompt] = []
+    for i, path in enumerate(paths):
+        prefix = uid_prefix(i, len(paths))
+        with data_errors():
+            rows = prompt_dataset(
+                path, tokenizer_path, max_prompt_tokens, truncation, val_size, columns, prefix
+            ).take_all()
+        if not rows:
+            raise no_rows(check_path(path))
+        out += [p for p in map(to_prompt, rows) if len(p.prompt_ids) <= max_prompt_tokens]
+    return out
 
 
 # what Ray Data appends to a failed map's exception (its retry context): not part of the row's error

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.errors import UserError
+
 log = logging.getLogger(__name__)
 
 SUPPORTED = (".jsonl", ".parquet")
@@ -39,8 +41,67 @@ class PromptRow:
     index: int
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset file that cannot be used; the message names the file, the row and the fix."""
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Where a record keeps its fields (`data.prompt_key`, `data.answer_key`, `data.data_source_key`); a
+    dotted key reads a nested field (`reward_model.ground_truth`). The defaults read both layouts as they are:
+    `prompt`, the answer from verl's `reward_model.ground_truth` else `answer` (`answer=""`), `data_source`."""
+
+    prompt: str = "prompt"
+    answer: str = ""
+    data_source: str = "data_source"
+
+    @classmethod
+    def from_cfg(cls, data: Any) -> Columns:
+        """From the `data` config section (a dataclass, a DictConfig or a dict)."""
+        get = data.get if isinstance(data, Mapping) else lambda k, d: getattr(data, k, d)
+        return cls(get("prompt_key", "prompt"), get("answer_key", ""), get("data_source_key", "data_source"))
+
+    def top_level(self) -> tuple[str, set[str]]:
+        """The column the prompt is in, and the columns any of which may hold the answer."""
+        answer = {self.answer.split(".")[0]} if self.answer else {"reward_model", "answer"}
+        return self.prompt.split(".")[0], answer
+
+    def apply(self, rec: Mapping, where: str) -> Mapping:
+        """`rec` with its mapped fields under the standard keys `prompt`, `answer` and `data_source`."""
+        if self == Columns():
+            return rec
+        out = dict(rec)
+        for std, key, setting in (
+            ("prompt", self.prompt, "data.prompt_key"),
+            ("answer", self.answer, "data.answer_key"),
+            ("data_source", self.data_source, "data.data_source_key"),
+        ):
+            if key and key != std:
+                value = _lookup(rec, key)
+                if value is _MISSING and std == "data_source":
+                    out.pop(std, None)  # no source in this row: the file stem, as without a mapping
+                    continue
+                if value is _MISSING:
+                    raise DataError(
+                        f"{where}: no field {key!r} ({setting}={key}); the record has {sorted(rec)}: set "
+                        f"{setting} to the one holding the {std}"
+                    )
+                out[std] = value
+        if self.answer:
+            out.pop("reward_model", None)  # the mapped answer wins over verl's ground truth
+        return out
+
+
+_MISSING = object()
+
+
+def _lookup(rec: Mapping, dotted: str) -> Any:
+    node: Any = rec
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
 
 
 def _where(path: Path, row: int, line: int | None) -> str:
@@ -104,20 +165,25 @@ def _answer(rec: Mapping, where: str, fmt: str) -> tuple[Any, str]:
     return rec["answer"], "answer"
 
 
-def normalize_row(rec: Any, path: str | Path, row: int, line: int | None = None) -> PromptRow:
+def normalize_row(
+    rec: Any, path: str | Path, row: int, line: int | None = None, columns: Columns | None = None
+) -> PromptRow:
     """One raw record of a prompt file (a parsed JSON line, or a parquet row as a dict) as a checked PromptRow.
 
     Both layouts, in either file type: plain `{"prompt", "answer"}` and verl's (`prompt` chat messages,
     `reward_model.ground_truth`, `data_source`, optional `extra_info.index`). The uid is the record's
     id/uid/extra_info.index, else "{stem}:{row}"; data_source defaults to the file stem. `row` is the
-    0-based row number, `line` the 1-based JSONL line if any. Raises DataError naming the file, the row
-    (and line) and the fix. Uniqueness of ids across rows is the caller's check (load_rows).
+    0-based row number, `line` the 1-based JSONL line if any; `columns` maps other field names onto these.
+    Raises DataError naming the file, the row (and line) and the fix. Uniqueness of ids across rows is the
+    caller's check (load_rows).
     """
     p = Path(path)
     where = _where(p, row, line)
     fmt = _JSONL_FORMAT if p.suffix.lower() == ".jsonl" else _PARQUET_FORMAT
     if not isinstance(rec, Mapping):
         raise DataError(f"{where}: a JSON {type(rec).__name__}, not an object; {fmt}")
+    if columns is not None:
+        rec = columns.apply(rec, where)
     if "prompt" not in rec:
         raise DataError(f"{where}: missing key 'prompt' ({fmt})")
     answer, key = _answer(rec, where, fmt)
@@ -146,11 +212,19 @@ def decode_line(text: str, path: str | Path, row: int, line: int) -> Any:
         ) from e
 
 
-def check_columns(path: str | Path, columns: list[str]) -> None:
-    """DataError unless a parquet file has the columns of a prompt file (verl or plain layout)."""
+def check_columns(path: str | Path, columns: list[str], mapping: Columns | None = None) -> None:
+    """DataError unless a parquet file has the columns of a prompt file (verl or plain layout, or the ones
+    `mapping` names)."""
     cols = set(columns)
-    if "prompt" not in cols or not ({"reward_model", "answer"} & cols):
-        raise DataError(f"{path}: columns {sorted(cols)}; {_PARQUET_FORMAT}")
+    prompt, answer = (mapping or Columns()).top_level()
+    if prompt not in cols or not (answer & cols):
+        fix = (
+            "; or name the columns holding them: data.prompt_key, data.answer_key"
+            if mapping == Columns() or mapping is None
+            else f" (data.prompt_key={mapping.prompt!r}, data.answer_key={mapping.answer!r}: "
+            f"column {prompt!r} and one of {sorted(answer)} are needed)"
+        )
+        raise DataError(f"{path}: columns {sorted(cols)}; {_PARQUET_FORMAT}{fix}")
 
 
 def duplicate_id(path: str | Path, uid: str, row: int, line: int | None, first_row: int) -> DataError:
@@ -179,33 +253,41 @@ def no_rows(path: str | Path) -> DataError:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e}); save it as UTF-8 JSON lines") from e
     row = 0
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        yield row, lineno, decode_line(line, path, row, lineno)
-        row += 1
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path} line {lineno}: not UTF-8 text ({e}); save it as UTF-8 JSON lines"
+                ) from e
+            if not line.strip():
+                continue
+            yield row, lineno, decode_line(line, path, row, lineno)
+            row += 1
 
 
-def _parquet_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
+def _parquet_records(path: Path, columns: Columns | None = None) -> Iterator[tuple[int, int | None, Any]]:
     try:
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        f = pq.ParquetFile(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
-    check_columns(path, table.column_names)
-    for row, rec in enumerate(table.to_pylist()):
-        yield row, None, rec
+    check_columns(path, f.schema_arrow.names, columns)
+    row = 0
+    with f:
+        for batch in f.iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                yield row, None, rec
+                row += 1
 
 
 def check_path(path: str) -> Path:
-    """The prompt file as a Path, or DataError: a directory, not a regular file, missing, unknown format."""
-    p = Path(path)
+    """The prompt file as a Path (`~` expanded), or DataError: a directory, not a regular file, missing, an
+    unknown format."""
+    p = Path(path).expanduser()
     where = "check data.train / data.val (relative to the working dir)"
     if p.is_dir():
         raise DataError(
@@ -220,27 +302,50 @@ def check_path(path: str) -> Path:
     return p
 
 
-def load_rows(path: str) -> list[PromptRow]:
-    """Load and validate every row of a `.jsonl` or `.parquet` prompt file (see normalize_row); raises DataError.
+def load_rows(
+    path: str, columns: Columns | None = None, limit: int = 0, uid_prefix: str = ""
+) -> list[PromptRow]:
+    """Load and validate every row (`limit` > 0: the first `limit`) of a `.jsonl` or `.parquet` prompt file
+    (see normalize_row; `columns` maps other field names); raises DataError naming the file and the row.
 
     `.jsonl`: one object per line with "prompt" (string or chat messages) and "answer" (string or
     number), or a verl-layout record; optional "id"/"uid" and "data_source" (default: the file stem).
     `.parquet`: verl layout (`prompt` messages, `reward_model.ground_truth`, `data_source`, optional
-    `extra_info.index`) or plain `prompt` + `answer` columns.
+    `extra_info.index`) or plain `prompt` + `answer` columns. `uid_prefix` is put before every uid (one of
+    several files: see `uid_prefix`).
     """
     p = check_path(path)
     is_jsonl = p.suffix.lower() == ".jsonl"
     rows: list[PromptRow] = []
     seen: dict[str, int] = {}
-    for row, line, rec in _jsonl_records(p) if is_jsonl else _parquet_records(p):
-        r = normalize_row(rec, p, row, line)
+    for row, line, rec in _jsonl_records(p) if is_jsonl else _parquet_records(p, columns):
+        if limit and row >= limit:
+            break
+        r = normalize_row(rec, p, row, line, columns)
         if r.uid in seen:
             raise duplicate_id(p, r.uid, row, line, seen[r.uid])
         seen[r.uid] = row
+        r.uid = uid_prefix + r.uid
         rows.append(r)
     if not rows:
         raise no_rows(path)
     return rows
+
+
+def uid_prefix(index: int, count: int) -> str:
+    """What goes before the uids of the `index`-th of `count` files of a split: nothing for one file; for
+    several, `"<index>/"` (two files may both number their rows from 0, or share a stem)."""
+    return f"{index}/" if count > 1 else ""
+
+
+PREVIEW_ROWS = 256  # rows of each prompt file checked before Ray starts
+
+
+def check_file(path: str, columns: Columns | None = None, rows: int = PREVIEW_ROWS) -> None:
+    """Fail early, before a run starts: a prompt file that is missing, of an unknown format, without the
+    columns a prompt file needs, or whose first `rows` rows are not valid (the rest are validated where they
+    are read: in the rollouter, through Ray Data, with the same messages naming the file and the row)."""
+    load_rows(path, columns, limit=rows)
 
 
 def _to_ids(encoded: Any) -> list[int]:
@@ -296,9 +401,3 @@ def filter_overlong(
             max_tokens,
         )
     return kept, dropped
-
-
-def check_file(path: str) -> None:
-    """Fail early, before a run starts, on a prompt file that is missing or of an unknown format (the rows
-    themselves are validated where they are read: in the rollouter, through Ray Data)."""
-    check_path(path)

@@ -44,13 +44,16 @@ def rollouter_name(prefix: str) -> str:
 class Rollouter:
     """Async Ray actor (see the module docstring). `train` and `val` are prompt file paths."""
 
-    def __init__(self, cfg: dict[str, Any], model_path: str, train: str, val: str) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], model_path: str, train: str | list[str], val: str | list[str]
+    ) -> None:
         from omegaconf import OmegaConf
         from ray import serve
         from transformers import AutoTokenizer
 
         from app.rewards.pool import RewardPool
         from app.rollout.dataset import to_prompt, train_dataset, val_prompts
+        from app.rollout.prompt_files import Columns
         from app.serve_rollout import DEPLOYMENT_NAME, app_name
 
         self.cfg = cfg = OmegaConf.create(cfg)
@@ -58,8 +61,20 @@ class Rollouter:
         tok = AutoTokenizer.from_pretrained(model_path)
         # streamed from the file and tokenized once in Ray Data (kept in the object store), then shuffled
         # and streamed epoch after epoch; a bad row fails here with a DataError naming the file and row
-        self.train_ds = train_dataset(train, model_path, d.max_prompt_tokens, d.truncation)
-        self.val_prompts = val_prompts(val, model_path, d.max_prompt_tokens, d.truncation, d.val_size)
+        columns = Columns.from_cfg(d)
+        self.train_set = train_dataset(
+            train,
+            model_path,
+            d.max_prompt_tokens,
+            d.truncation,
+            columns,
+            list(d.train_weights),
+            d.shuffle,
+            d.seed,
+        )
+        self.val_prompts = val_prompts(
+            val, model_path, d.max_prompt_tokens, d.truncation, d.val_size, columns
+        )
         refs = None
         if cfg.algorithm.kl_coef > 0 and cfg.ref.workers > 0:
             from app.rollout.reference import RefPool
@@ -88,10 +103,7 @@ class Rollouter:
         self.gen_busy_s = 0.0
 
     def _epoch_rows(self, epoch: int) -> Iterator[Prompt]:
-        ds = self.train_ds
-        if self.cfg.data.shuffle:
-            ds = ds.random_shuffle(seed=self.cfg.data.seed + epoch)
-        return map(self._to_prompt, ds.iter_rows())
+        return map(self._to_prompt, self.train_set.epoch(epoch))
 
     async def _train_group(self, prompt: Prompt, seed: int, score_now: bool = True) -> Group:
         try:

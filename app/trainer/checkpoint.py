@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.errors import UserError
+
 log = logging.getLogger(__name__)
 
 STATE = "state.json"
@@ -48,7 +50,7 @@ _CHUNK = 8 << 20
 _NAME = re.compile(r"step_(\d+)_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """No checkpoint that `--resume` (or a restart) can continue from; the message names the damaged files."""
 
 

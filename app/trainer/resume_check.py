@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.errors import UserError
 from app.trainer.checkpoint import CONFIG, sha256
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ IGNORED = (
 FULL_HASH_MAX = 256 << 20  # larger prompt files: their size, first and last 16 MiB
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(UserError, ValueError):
     """The run differs from its checkpoint in a way a resume cannot carry over; the message names both values
     and the fix."""
 
@@ -108,14 +109,30 @@ def model_identity(spec: str, resolved: str, dtype: str) -> dict[str, Any]:
     return out
 
 
-def identity(cfg: dict[str, Any], model_path: str, train: str, val: str) -> dict[str, Any]:
+def files_identity(spec: Any, resolved: str | list[str]) -> dict[str, Any]:
+    """A split's prompt files: one file as `file_identity`; several as their specs, paths, total size and
+    one digest over every file's (any file's change changes it)."""
+    paths = [resolved] if isinstance(resolved, str) else list(resolved)
+    if len(paths) == 1:
+        return file_identity(spec if isinstance(spec, str) else spec[0], paths[0])
+    each = [file_identity(s, p) for s, p in zip(spec, paths, strict=True)]
+    out: dict[str, Any] = {"spec": list(spec), "path": paths}
+    if all("sha256" in f for f in each):
+        digest = hashlib.sha256("".join(f["sha256"] for f in each).encode()).hexdigest()
+        out.update(size=sum(f["size"] for f in each), sha256=digest)
+    return out
+
+
+def identity(
+    cfg: dict[str, Any], model_path: str, train: str | list[str], val: str | list[str]
+) -> dict[str, Any]:
     """This run's identity (see the module docstring); `cfg` is the resolved config as a container."""
     return {
         "config": cfg,
         "model": model_identity(cfg["model"]["path"], model_path, cfg["model"]["dtype"]),
         "data": {
-            "train": file_identity(cfg["data"]["train"], train),
-            "val": file_identity(cfg["data"]["val"], val),
+            "train": files_identity(cfg["data"]["train"], train),
+            "val": files_identity(cfg["data"]["val"], val),
         },
     }
 
@@ -195,8 +212,11 @@ def compare(saved: dict[str, Any], now: dict[str, Any]) -> Comparison:
         c.other.append(
             f"data.val: {_show(old_val)} -> {_show(new_val)} (validation rewards before and after differ)"
         )
-    handled = ("model.path", "model.dtype", "data.train", "data.val")
+    handled = ("model.path", "model.dtype", "data.train", "data.val", "data.train_weights")
     a, b = _flat(saved.get("config", {})), _flat(now.get("config", {}))
+    w_old, w_new = a.get("data.train_weights") or [], b.get("data.train_weights") or []
+    if list(w_old) != list(w_new):  # another mixture: another sequence of epochs
+        c.data.append(f"data.train_weights: the checkpoint's are {list(w_old)}, this run gives {list(w_new)}")
     for k in sorted(set(a) | set(b)):
         if k in handled or k.startswith(IGNORED) or a.get(k, "<unset>") == b.get(k, "<unset>"):
             continue

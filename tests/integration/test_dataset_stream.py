@@ -72,3 +72,32 @@ def test_bad_row_fails_naming_file_and_line(ray_cluster, tmp_path, bad):
     assert str(exc.value) == str(loaded.value)
     assert str(exc.value).startswith(f"{path} row ")
     assert f"(line {BLOCK_ROWS + 21})" in str(exc.value)
+
+
+def test_two_files_mixed_by_weight(ray_cluster, cache_dir, tmp_path):
+    """data.train=[a,b] with data.train_weights=[1,1] through the rollouter's own dataset code: each epoch
+    takes every row of the smaller file and as many sampled rows of the larger, uids prefixed by file; the
+    same epoch gives the same rows in the same order (a resume), the next one another sample; validation
+    takes the first val_size rows of each file."""
+    from app.rollout.dataset import to_prompt, train_dataset, val_prompts
+    from app.rollout.prompt_files import Columns
+    from app.tasks.tiny import ensure_builtin
+
+    tok = str(ensure_builtin(cache_dir) / "model")
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"max:{1000 + i}=", "answer": "1"} for i in range(8)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"q": f"max:{2000 + i}=", "ans": "2"} for i in range(40)])
+    b_mapped = tmp_path / "b2.jsonl"  # one column mapping for every file: b's fields renamed to match
+    write_jsonl(b_mapped, [{"prompt": f"max:{2000 + i}=", "answer": "2"} for i in range(40)])
+    files = [a, str(b_mapped)]
+    train = train_dataset(files, tok, 64, "drop", Columns(), [1, 1], shuffle=True, seed=3)
+    assert train.counts == [8, 8]
+    e0 = [to_prompt(r) for r in train.epoch(0)]
+    assert len(e0) == 16 and sum(p.uid.startswith("0/") for p in e0) == 8
+    assert {p.uid for p in e0 if p.uid.startswith("0/")} == {f"0/a:{i}" for i in range(8)}
+    assert [to_prompt(r).uid for r in train.epoch(0)] == [p.uid for p in e0]
+    e1 = {to_prompt(r).uid for r in train.epoch(1)}
+    assert {u for u in e1 if u.startswith("1/")} != {p.uid for p in e0 if p.uid.startswith("1/")}
+    val = val_prompts(files, tok, 64, "drop", 3, Columns())
+    assert [p.uid for p in val] == ["0/a:0", "0/a:1", "0/a:2", "1/b2:0", "1/b2:1", "1/b2:2"]
+    mapped = val_prompts([b], tok, 64, "drop", 2, Columns(prompt="q", answer="ans"))
+    assert [(p.uid, p.answer) for p in mapped] == [("b:0", "2"), ("b:1", "2")]

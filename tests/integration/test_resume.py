@@ -175,7 +175,13 @@ def _refused_then_damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b
     other_model.mkdir()
     (other_model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
     rc, res, err, secs = _resume_cli(
-        ray_cluster, cache_dir, tmp_path, "resume-m", common, f"model.path={other_model}"
+        ray_cluster,
+        cache_dir,
+        tmp_path,
+        "resume-m",
+        common,
+        f"model.path={other_model}",
+        "model.allow_toy_settings=true",  # a model that is not built in, on the toy task
     )
     assert rc == 1 and "'builtin:tiny'" in res["error"] and f"'{other_model}'" in res["error"], res
     assert "MLflow run" not in err, "refused only after the run opened"

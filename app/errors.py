@@ -1,0 +1,30 @@
+"""User errors: a problem with what the user gave (a config value, a data file, a model path, a checkpoint, the
+cluster's size) whose message already names the problem and the fix.
+
+The command line prints such an error as one line (`python -m app ...`: the traceback only at
+`log_level=DEBUG`), where any other exception is a crash and keeps its traceback. Each module raises its own
+error class (`ConfigError`, `DataError`, `ResourceError`, ...), which also derives from `UserError`; this
+module imports nothing of app/, so any module can use it.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Marks an error class as the user's to fix: its message names the problem and the fix."""
+
+
+def user_error(exc: BaseException) -> UserError | None:
+    """The UserError behind `exc`: itself, or one it wraps (a Ray task error's `cause`, an exception's
+    `__cause__` or `__context__`), else None."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError: what the task raised
+        if isinstance(cause, UserError):
+            return cause
+        e = e.__cause__ or e.__context__
+    return None
