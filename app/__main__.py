@@ -96,12 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _quiet_progress_bars()
     from app.driver import run
+    from app.rewards.check import RewardCheckError
     from app.trainer.checkpoint import CheckpointError
     from app.trainer.resume_check import ResumeMismatch
 
     try:
         result = run(cfg, resume_with_new_data=args.resume_with_new_data)
-    except (CheckpointError, ResumeMismatch) as e:  # refused before Ray started: the message says it all
+    except (
+        CheckpointError,
+        ResumeMismatch,
+        RewardCheckError,
+    ) as e:  # refused before Ray started: says it all
         log.error("%s", e)
         _emit_result({"ok": False, "error": str(e)[:2000]})
         return 1
