@@ -78,3 +78,11 @@ def three_unknown(a: str, b: str, c: str) -> float:
 def verl_extra_required(data_source: str, solution_str: str, ground_truth: str, tokenizer: Any) -> float:
     """verl's names plus a required parameter Relay does not pass."""
     return 0.0
+
+
+def only_marker(response: str, answer: str) -> float:
+    """Passes the check on a first row whose answer is "zzzz" (called with it as the response), then fails on
+    every response a model writes."""
+    if response != "zzzz":
+        raise KeyError("reference_solution")
+    return 1.0
