@@ -588,7 +588,19 @@ class SyncConfig(_Section):
 class RewardConfig(_Section):
     fn: str = "auto"
     """`auto` (per data source), `exact_match`, `gsm8k`, `math` (answer equivalence with math-verify), `code`
-    (sandboxed tests), or a dotted path `pkg.module:function`/`pkg.module.function`."""
+    (sandboxed tests), or a dotted path `pkg.module:function`/`pkg.module.function` to a function in one of
+    three styles, told apart by its parameter names: `(response, answer)`, verl's `compute_score(data_source,
+    solution_str, ground_truth, extra_info)` or TRL's batched `(prompts, completions, **kwargs)` returning a
+    list. A user function is also called once on the training data's first row before the run starts."""
+    fns: list[str] = field(default_factory=list)
+    """Several reward functions (each as `reward.fn` takes one), instead of `reward.fn`: a sample's reward is
+    their weighted sum (`reward.weights`), each function's score is logged as `reward/<name>` (its built-in or
+    function name) and kept in the trajectory record. A failed function scores `on_error` in the sum."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per function of `reward.fns` (or of `reward.fn`); empty: all 1.0."""
+    fail_fast_samples: int = 32
+    """Stop the run, naming the first failure (function, error, row), when every one of the first this many
+    samples scored failed (raised, timed out, returned a non-number) instead of training on `on_error`; 0: off."""
     timeout_s: float = 10.0
     """Deadline for one reward computation; a timeout scores `on_error`."""
     on_error: float = 0.0
@@ -622,11 +634,21 @@ class RewardConfig(_Section):
         "worker_cpus": _SHARE,
         "max_concurrency": rng(">= 1"),
         "max_memory_mb": rng(">= 128", "the interpreter and a reward's imports need about 100 MiB"),
+        "fail_fast_samples": rng(">= 0", "0 turns the check off"),
     }
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
-        _check_reward_fn(f"{prefix}fn", self.fn)
+        from app.rewards.combine import SpecError, reward_specs
+
+        try:
+            reward_specs(self.fn, self.fns, self.weights)
+        except SpecError as e:
+            raise ConfigError(f"invalid value for '{prefix}{e.key.removeprefix('reward.')}': {e}") from None
+        for i, spec in enumerate(self.fns):
+            _check_reward_fn(f"{prefix}fns[{i}]", spec)
+        if not self.fns:
+            _check_reward_fn(f"{prefix}fn", self.fn)
 
 
 @dataclass
@@ -1041,6 +1063,12 @@ def _explain(exc: Exception, key: str | None = None) -> ConfigError:
     msg = str(exc).split("\n")[0]
     if isinstance(exc, ConfigKeyError) or "not in struct" in msg or ("Key '" in msg and "not" in msg):
         return _unknown_key(key)
+    if (
+        "Cannot convert 'ListConfig'" in msg and f"{key}s" in ALL_KEYS
+    ):  # reward.fn=[a,b]: reward.fns takes a list
+        return ConfigError(
+            f"invalid value for '{key}': it takes one value; for several, use '{key}s' (a list)"
+        )
     got = re.match(r"Invalid value '(.*)', expected one of", msg)
     if got and choices(key):  # OmegaConf's Literal check: name the choices our way
         value = got[1]
@@ -1105,11 +1133,15 @@ def _registry_keys(module: str, attr: str) -> tuple[str, ...] | None:
 
 
 def _check_reward_fn(key: str, spec: str) -> None:
-    """Resolve `reward.fn` now, so a typo fails before Ray and vLLM start (a dotted path is imported)."""
+    """Resolve `reward.fn` now, so a typo fails before Ray and vLLM start (a dotted path is imported, its
+    signature checked against the styles a reward may have)."""
     from app import rewards
+    from app.rewards.styles import SignatureError
 
     try:
         rewards.resolve_reward_fn(spec)
+    except SignatureError as e:  # the function exists: no near-miss names to suggest
+        raise ConfigError(f"invalid value for '{key}': {e}") from None
     except ValueError as e:
         names = ["auto", *getattr(rewards, "BUILTINS", {})]
         hint = _did_you_mean(spec, names)

@@ -155,6 +155,11 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
     t0 = time.time()
     picked = checkpoint.select(cfg.train.resume) if cfg.train.resume else None  # fails early, clearly
     inputs = resolve_inputs(cfg)
+    if not cfg.env.name:  # an environment gives its episodes' rewards itself
+        from app.rewards.check import check_on_first_row
+
+        # a user reward that fails on real data fails here
+        check_on_first_row(cfg.reward, inputs.train, inputs.columns)
     identity = resume_check.identity(to_container(cfg), inputs.model_path, inputs.train, inputs.val)
     if picked is not None:
         picked.warn()  # a damaged newer checkpoint skipped, or one written before manifests

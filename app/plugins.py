@@ -3,7 +3,8 @@ directory (PYTHONPATH). Adding a reward, a loss, a batch source, an environment,
 new file of the user's own, selected by its dotted path; nothing in app/ changes.
 
     config key             built-ins (registry)                          what the object is
-    reward.fn              app/rewards BUILTINS (+ `auto`)               fn(response, answer) -> float | dict
+    reward.fn / .fns       app/rewards BUILTINS (+ `auto`)               fn(response, answer) -> float | dict, or
+                                                                         verl's / TRL's (app/rewards/styles.py)
     algorithm.correction   app/trainer/losses.py LOSSES                  fn(LossInputs, algorithm_cfg) -> LossOutputs
     algorithm.mode         app/trainer/sources SOURCES                   a RolloutSource class: cls(cfg, actors)
     env.name               app/envs ENVIRONMENTS                         a factory: fn(cfg, offload) -> EnvFactory

@@ -22,6 +22,7 @@ class Sample:
     reward: float = 0.0
     reward_error: str | None = None
     reward_extras: dict[str, float] = field(default_factory=dict)
+    reward_scores: dict[str, float] = field(default_factory=dict)  # each function's, by name (reward.fns)
     replica: str = ""
     ref_logprobs: list[float] | None = None  # reference policy's, when computed off the trainer
     # multi-turn trajectories (app/envs): 1 = a model token (trained), 0 = an environment token (never in the
@@ -62,6 +63,8 @@ class Prompt:
 
     `prompt_ids` are token ids (a plain `list[int]` end to end). `partial` holds the samples generated so far
     when a clean stop froze this prompt's generation (a partial rollout that a resumed run continues).
+    `prompt_text` is the prompt as the data has it: its text, or its chat messages as JSON (`chat`);
+    `extra_info` is the row's verl `extra_info` (reward functions see both, app/rewards/styles.py).
     """
 
     uid: str
@@ -69,6 +72,8 @@ class Prompt:
     answer: str
     data_source: str = ""
     prompt_text: str = ""
+    chat: bool = False
+    extra_info: dict[str, Any] = field(default_factory=dict)
     epoch: int = 0
     index: int = 0
     partial: list[Sample] = field(default_factory=list)
@@ -99,6 +104,8 @@ class Group:
     epoch: int = 0
     prompt_text: str = ""
     data_source: str = ""
+    chat: bool = False
+    extra_info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def min_version(self) -> int:
@@ -121,6 +128,8 @@ class Group:
             answer=self.answer,
             data_source=self.data_source,
             prompt_text=self.prompt_text,
+            chat=self.chat,
+            extra_info=dict(self.extra_info),
             epoch=self.epoch,
         )
 

@@ -13,6 +13,7 @@ import pytest
 
 from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
+from app.rewards.styles import RewardInput
 from app.rollout import AsyncProducer, GenSettings, GroupGenerator, ProducerSettings, PromptStream
 from app.rollout.admission import admission_limit, can_admit, merge_partial, over_bound, staleness_bound
 from app.trainer.learner import staleness_by_length_decile
@@ -100,8 +101,8 @@ async def _stream(
         smp = Sample(token_ids=[3, parity], logprobs=[-0.5, -0.5], versions=[v, v], finish_reason="stop")
         return GenerateResponse(samples=[smp], replica="fake", version=v)
 
-    async def score(data_source: str, text: str, answer: str) -> RewardResult:
-        return RewardResult(score=float(text.endswith("5")) if answer == "parity" else 1.0)
+    async def score(inp: RewardInput) -> RewardResult:
+        return RewardResult(score=float(inp.response.endswith("5")) if inp.answer == "parity" else 1.0)
 
     gen = GroupGenerator(generate, lambda ids: " ".join(map(str, ids)), score, GenSettings(n=n, max_tokens=4))
     settings = ProducerSettings(

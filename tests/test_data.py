@@ -66,7 +66,8 @@ def test_jsonl_good(tmp_path):
 def test_parquet_verl_layout(tmp_path):
     rows = load_rows(write_verl_parquet(tmp_path / "gsm8k_train.parquet"))
     assert [r.uid for r in rows] == ["100", "101", "102"]
-    assert rows[1] == PromptRow("101", [{"role": "user", "content": "q1"}], "11", "openai/gsm8k", 1)
+    extra = {"split": "train", "index": 101}  # carried to the reward functions
+    assert rows[1] == PromptRow("101", [{"role": "user", "content": "q1"}], "11", "openai/gsm8k", 1, extra)
 
 
 def test_parquet_verl_without_index(tmp_path):
@@ -104,7 +105,7 @@ def test_normalize_row_is_the_per_record_check(tmp_path):
         "data_source": "d",
         "extra_info": {"index": 3},
     }
-    assert normalize_row(verl, "x.parquet", 0) == PromptRow("3", MSGS, "4", "d", 0)
+    assert normalize_row(verl, "x.parquet", 0) == PromptRow("3", MSGS, "4", "d", 0, {"index": 3})
     with pytest.raises(DataError, match=r"^x\.parquet row 5: prompt message 1 \(user\) has blank 'content'"):
         normalize_row(
             {"prompt": [MSGS[0], {"role": "user", "content": " \n"}], "answer": "1"}, "x.parquet", 5

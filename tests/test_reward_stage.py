@@ -13,7 +13,14 @@ from app.infra.resources import ResourceError, check, demands
 from app.records import Batch, Group, Sample
 from app.rewards import math_reward, resolve_reward_fn
 from app.rewards.pool import RewardPool, RewardWorker
+from app.rewards.styles import RewardInput
 from app.trainer.learner import batch_metrics
+
+
+def sample(response: str, answer: str, data_source: str = "x") -> RewardInput:
+    """One sample to score (a row with only a data source)."""
+    return RewardInput(response=response, answer=answer, data_source=data_source)
+
 
 # The reward functions of these tests live in tests/test_rewards.py: the scoring processes import them, and
 # this module imports torch (app.trainer.learner), which would cost each process seconds to start.
@@ -26,9 +33,11 @@ def test_pool_scores_concurrently_with_a_deadline_and_counts_failures():
     async def run():
         pool = RewardPool(cfg, "t")
         try:
-            await asyncio.gather(*[pool.score("arith", "7", "7") for _ in range(8)])  # start 8 processes
+            await asyncio.gather(
+                *[pool.score(sample("7", "7", "arith")) for _ in range(8)]
+            )  # start 8 processes
             t0 = time.perf_counter()
-            res = await asyncio.gather(*[pool.score("arith", "7", "7") for _ in range(8)])
+            res = await asyncio.gather(*[pool.score(sample("7", "7", "arith")) for _ in range(8)])
             return res, time.perf_counter() - t0
         finally:
             pool.close()
@@ -38,10 +47,10 @@ def test_pool_scores_concurrently_with_a_deadline_and_counts_failures():
     assert dt < 0.2 * 8 / 2  # eight 0.2 s rewards overlap (8 at once), not one after the other
 
     cfg = load_config(None, ["reward.fn=tests.test_rewards:boom", "reward.on_error=-1"]).reward
-    r = asyncio.run(RewardPool(cfg, "t").score("arith", "7", "7"))
+    r = asyncio.run(RewardPool(cfg, "t").score(sample("7", "7", "arith")))
     assert r.score == -1.0 and r.error == "exception"
     cfg = load_config(None, ["reward.fn=tests.test_rewards:slow", "reward.timeout_s=0.05"]).reward
-    r = asyncio.run(RewardPool(cfg, "t").score("arith", "7", "7"))
+    r = asyncio.run(RewardPool(cfg, "t").score(sample("7", "7", "arith")))
     assert r.error == "timeout" and r.score == 0.0
 
 
@@ -64,9 +73,9 @@ def test_exponent_towers_time_out_on_the_rollouter_path():
         out = []
         try:
             for tower in TOWERS:
-                assert (await pool.score("math", "\\boxed{2}", "2")).score == 1.0  # warm process
+                assert (await pool.score(sample("\\boxed{2}", "2", "math"))).score == 1.0  # warm process
                 t0, ticks = time.monotonic(), 0
-                r = await pool.score("math", tower, "1")
+                r = await pool.score(sample(tower, "1", "math"))
                 out.append((r.score, r.error, time.monotonic() - t0, ticks))
         finally:
             tick.cancel()
@@ -81,7 +90,7 @@ def test_exponent_towers_time_out_on_the_rollouter_path():
 
 def test_worker_returns_sub_scores():
     w = RewardWorker("tests.test_rewards:subscores", 5.0, 0.0)
-    d = asyncio.run(w.score("arith", "abc", "x"))
+    d = asyncio.run(w.score(sample("abc", "x", "arith")))
     assert d["score"] == 1.0 and d["extras"] == {"format": 0.5, "length": 3.0}
     w.procs.close()
 
@@ -148,7 +157,7 @@ def test_resource_check_names_every_role():
 
 def test_async_reward_functions_are_awaited():
     w = RewardWorker("tests.test_rewards:async_judge", 5.0, 0.0)
-    d = asyncio.run(w.score("arith", "7", "7"))
+    d = asyncio.run(w.score(sample("7", "7", "arith")))
     assert d["score"] == 1.0 and d["error"] is None and d["extras"] == {"judge": 0.25}
     w.procs.close()
 

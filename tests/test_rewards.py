@@ -26,6 +26,12 @@ from app.rewards import (
     resolve_reward_fn,
 )
 from app.rewards.pool import OUTPUT_CAP_BYTES, RewardPool, RewardProcesses
+from app.rewards.styles import RewardInput
+
+
+def sample(response: str, answer: str, data_source: str = "x") -> RewardInput:
+    """One sample to score (a row with only a data source)."""
+    return RewardInput(response=response, answer=answer, data_source=data_source)
 
 
 def test_overlong_penalty_hand_values():
@@ -172,7 +178,7 @@ def test_resolve_bad_specs(spec, fragment):
 def test_resolve_user_bad_attributes(user_module):
     with pytest.raises(ValueError, match="not a function"):
         resolve_reward_fn(f"{user_module}:NOT_CALLABLE")
-    with pytest.raises(ValueError, match=r"must accept \(response, answer\)"):
+    with pytest.raises(ValueError, match=r"cannot call .*one_arg.* as \(response, answer\).*three styles"):
         resolve_reward_fn(f"{user_module}:one_arg")
 
 
@@ -184,25 +190,25 @@ def test_resolve_module_that_fails_on_import(tmp_path, monkeypatch):
 
 
 def test_evaluate_numbers():
-    assert evaluate(exact_match, "8", "8", -1.0) == RewardResult(1.0)
-    assert evaluate(lambda r, a: True, "", "", 0.0).score == 1.0
-    assert evaluate(lambda r, a: 3, "", "", 0.0).score == 3.0
+    assert evaluate(exact_match, sample("8", "8"), -1.0) == RewardResult(1.0)
+    assert evaluate(lambda r, a: True, sample("", ""), 0.0).score == 1.0
+    assert evaluate(lambda r, a: 3, sample("", ""), 0.0).score == 3.0
 
 
 def test_evaluate_dict_returns(user_module):
     fn = resolve_reward_fn(f"{user_module}:reward")
-    res = evaluate(fn, "ab", "ab", 0.0)
+    res = evaluate(fn, sample("ab", "ab"), 0.0)
     assert res == RewardResult(1.0, None, "", {"length": 2.0})
-    res = evaluate(lambda r, a: {"score": 0.5, "note": "text", "nan": math.nan, "ok": 1}, "", "", 0.0)
+    res = evaluate(lambda r, a: {"score": 0.5, "note": "text", "nan": math.nan, "ok": 1}, sample("", ""), 0.0)
     assert res.score == 0.5 and res.error is None and res.extras == {"ok": 1.0}
-    res = evaluate(lambda r, a: {"acc": 1.0}, "", "", -1.0)
+    res = evaluate(lambda r, a: {"acc": 1.0}, sample("", ""), -1.0)
     assert (res.score, res.error) == (-1.0, "invalid")
     assert "'score'" in res.detail
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "1.0", None, [1.0], {"score": math.nan}])
 def test_evaluate_invalid(value):
-    res = evaluate(lambda r, a: value, "", "", -1.0)
+    res = evaluate(lambda r, a: value, sample("", ""), -1.0)
     assert (res.score, res.error) == (-1.0, "invalid")
     assert res.detail
 
@@ -211,7 +217,7 @@ def test_evaluate_exception(caplog):
     def boom(response, answer):
         raise KeyError("missing field")
 
-    res = evaluate(boom, "", "", -0.5)
+    res = evaluate(boom, sample("", ""), -0.5)
     assert (res.score, res.error) == (-0.5, "exception")
     assert "KeyError" in res.detail and "missing field" in res.detail
     assert any("missing field" in r.getMessage() for r in caplog.records)
@@ -221,7 +227,7 @@ def test_evaluate_timeout_error_raised_by_fn_is_an_exception():
     def fn(response, answer):
         raise TimeoutError("inner")
 
-    assert evaluate(fn, "", "", 0.0).error == "exception"
+    assert evaluate(fn, sample("", ""), 0.0).error == "exception"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -292,9 +298,9 @@ def cpu_seconds(pid: int) -> float | None:
 def test_processes_score_sub_scores_async_and_printing_rewards(user_module):
     procs = RewardProcesses(f"{user_module}:reward", 5.0, -1.0)
     try:
-        assert procs.score("x", "ab", "ab") == RewardResult(1.0, None, "", {"length": 2.0})
+        assert procs.score(sample("ab", "ab", "x")) == RewardResult(1.0, None, "", {"length": 2.0})
         pid = procs.idle[0].proc.pid
-        assert procs.score("x", "ab", "cd").score == 0.0 and procs.idle[0].proc.pid == pid  # reused
+        assert procs.score(sample("ab", "cd", "x")).score == 0.0 and procs.idle[0].proc.pid == pid  # reused
     finally:
         procs.close()
     for spec, want in [
@@ -303,8 +309,8 @@ def test_processes_score_sub_scores_async_and_printing_rewards(user_module):
     ]:
         procs = RewardProcesses(spec, 5.0, -1.0)
         try:
-            assert procs.score("x", "7", "7") == RewardResult(1.0, None, "", want)
-            assert procs.score("x", "7", "8").score == 0.0
+            assert procs.score(sample("7", "7", "x")) == RewardResult(1.0, None, "", want)
+            assert procs.score(sample("7", "8", "x")).score == 0.0
         finally:
             procs.close()
 
@@ -315,16 +321,16 @@ def test_a_hanging_reward_is_killed_at_its_deadline(how):
     (no CPU burnt afterwards); the next reward gets a fresh process."""
     procs = RewardProcesses("tests.test_rewards:hostile", 0.5, -1.0)
     try:
-        assert procs.score("x", "ok", "").score == 1.0  # process started, function resolved: warm
+        assert procs.score(sample("ok", "", "x")).score == 1.0  # process started, function resolved: warm
         pid = procs.idle[0].proc.pid
         t0 = time.monotonic()
-        res = procs.score("x", how, "")
+        res = procs.score(sample(how, "", "x"))
         elapsed = time.monotonic() - t0
         assert (res.score, res.error) == (-1.0, "timeout"), res
         assert elapsed < 0.5 + 1.0
         assert list(procs.killed) == [pid]
         assert cpu_seconds(pid) is None  # killed and reaped: it burns nothing
-        assert procs.score("x", "ok", "").score == 1.0  # a replacement scores the next one
+        assert procs.score(sample("ok", "", "x")).score == 1.0  # a replacement scores the next one
     finally:
         procs.close()
 
@@ -332,10 +338,10 @@ def test_a_hanging_reward_is_killed_at_its_deadline(how):
 def test_a_reward_that_kills_its_process_is_a_crash_and_the_next_one_scores():
     procs = RewardProcesses("tests.test_rewards:dies", 5.0, -1.0)
     try:
-        res = procs.score("x", "", "")
+        res = procs.score(sample("", "", "x"))
         assert (res.score, res.error) == (-1.0, "crash"), res
         assert procs.idle == []
-        assert procs.score("x", "", "").error == "crash"  # a fresh process each time, no hang
+        assert procs.score(sample("", "", "x")).error == "crash"  # a fresh process each time, no hang
     finally:
         procs.close()
 
@@ -346,14 +352,14 @@ def test_what_a_reward_prints_is_capped_and_the_rest_counted(caplog):
     caplog.set_level(logging.INFO, logger="app.rewards.pool")
     procs = RewardProcesses("tests.test_rewards:loud", 10.0, -1.0)
     try:
-        res = procs.score("x", "", "")
+        res = procs.score(sample("", "", "x"))
         assert (res.score, res.error) == (1.0, None), res
         assert res.output_dropped == 10_000_007 - OUTPUT_CAP_BYTES
         assert (procs.output_dropped, procs.output_capped) == (res.output_dropped, 1)
         logged = "".join(r.getMessage() for r in caplog.records)
         assert "from C" in logged and "xxxx" in logged and len(logged) < 2 * OUTPUT_CAP_BYTES
         assert len(procs.idle) == 1
-        assert procs.score("x", "", "").output_dropped == res.output_dropped  # counted per reward
+        assert procs.score(sample("", "", "x")).output_dropped == res.output_dropped  # counted per reward
         assert (procs.output_dropped, procs.output_capped) == (2 * res.output_dropped, 2)
     finally:
         procs.close()
@@ -364,13 +370,13 @@ def test_a_reward_over_its_memory_limit_scores_on_error_as_oom():
     on_error, counted as `oom`; its process is replaced and the next reward scores."""
     procs = RewardProcesses("tests.test_rewards:hog", 10.0, -1.0, max_memory_mb=256)
     try:
-        assert procs.score("x", "", "64").score == 1.0  # under the limit
+        assert procs.score(sample("", "64", "x")).score == 1.0  # under the limit
         pid = procs.idle[0].proc.pid
-        res = procs.score("x", "", "1024")
+        res = procs.score(sample("", "1024", "x"))
         assert (res.score, res.error) == (-1.0, "oom"), res
         assert "MemoryError" in res.detail and "reward.max_memory_mb" in res.detail
         assert cpu_seconds(pid) is None  # killed and reaped
-        assert procs.score("x", "", "64").score == 1.0  # a replacement scores the next one
+        assert procs.score(sample("", "64", "x")).score == 1.0  # a replacement scores the next one
     finally:
         procs.close()
 
@@ -384,7 +390,7 @@ def test_reward_max_memory_mb_is_a_validated_key_the_pool_applies():
     )
     pool = RewardPool(cfg.reward, "t")
     try:
-        res = asyncio.run(pool.score("x", "", "1024"))
+        res = asyncio.run(pool.score(sample("", "1024", "x")))
         assert (res.score, res.error) == (-1.0, "oom"), res
     finally:
         pool.close()
@@ -407,9 +413,9 @@ def test_sandboxed_programs_die_with_a_killed_code_reward():
     answer = json.dumps({"tests": [{"input": "", "output": "1"}]})
     procs = RewardProcesses("code", 1.5, -1.0)
     try:
-        assert procs.score("code", "print(1)", answer).score == 1.0  # warm: the sandbox is probed
+        assert procs.score(sample("print(1)", answer, "code")).score == 1.0  # warm: the sandbox is probed
         assert _marked(marker) == []
-        res = procs.score("code", program, answer)
+        res = procs.score(sample(program, answer, "code"))
         assert res.error == "timeout", res
         time.sleep(0.5)
         assert _marked(marker) == []

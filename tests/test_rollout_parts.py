@@ -13,6 +13,7 @@ import pytest
 
 from app.records import GenerateRequest, GenerateResponse, Group, PipelineSnapshot, Prompt, Sample
 from app.rewards import RewardResult
+from app.rewards.styles import RewardInput
 from app.rollout import Frozen, GenSettings, GroupGenerator, PromptStream
 from app.rollout.producer import reward_errors
 from app.rollout.prompt_files import DataError
@@ -107,8 +108,10 @@ class FakeReplica:
         return GenerateResponse(samples=[smp], replica="r0", version=self.version)
 
 
-async def _score(data_source: str, text: str, answer: str) -> RewardResult:
-    return RewardResult(score=float(len(text.split())), error="timeout" if answer == "bad" else None)
+async def _score(inp: RewardInput) -> RewardResult:
+    return RewardResult(
+        score=float(len(inp.response.split())), error="timeout" if inp.answer == "bad" else None
+    )
 
 
 def _gen(fake: FakeReplica, **kw) -> GroupGenerator:
@@ -130,7 +133,7 @@ def test_generator_resubmit_merges_partial_and_scores():
 
 
 def test_reward_output_past_the_cap_is_counted():
-    async def chatty(data_source: str, text: str, answer: str) -> RewardResult:
+    async def chatty(inp: RewardInput) -> RewardResult:
         return RewardResult(score=1.0, output_dropped=10_000)
 
     gen = GroupGenerator(

@@ -1,7 +1,9 @@
-"""Reward functions: built-ins, resolution of `reward.fn`, and a guarded `score()` that never raises.
+"""Reward functions: built-ins, resolution of `reward.fn`, and a guarded `evaluate()` that never raises.
 
-A reward function takes `(response, answer)` and returns a number (float/int/bool) or a dict of named
-sub-scores with a required `"score"` key; the other entries are reported as extras.
+A reward function is called in one of three styles, detected from its parameters when it is resolved
+(app/rewards/styles.py): `(response, answer)`, verl's `compute_score(data_source, solution_str, ground_truth,
+extra_info)` or TRL's batched `(prompts, completions, **kwargs)`. It returns a number (float/int/bool) or a
+dict of named sub-scores with a required `"score"` key; the other entries are reported as extras.
 
 `evaluate()` runs a function in-process without a deadline and never raises. Deadlines are enforced one
 level up, by app.rewards.pool.RewardProcesses: a reward runs in a long-lived scoring subprocess that is
@@ -11,6 +13,10 @@ sympy holds the GIL, so even the thread that waits on the deadline would not wak
 The reward stage, in this package:
 
     __init__.py  the reward functions (`BUILTINS`), `resolve_reward_fn`, `evaluate` (this module)
+    styles.py    how a function is called: `RewardInput` (one sample and its row), `RewardCall` (the style)
+    combine.py   several functions with weights (`reward.fns`, `reward.weights`): the total and sub-scores
+    guard.py     stops a run whose rewards fail on every one of its first samples
+    check.py     one real call of each user function on the data's first row, before Ray starts
     pool.py      the scoring processes: killable, with deadlines; on reward workers when there are any
     sandbox.py   the code sandbox that runs untrusted programs (`code_reward`)
 """
@@ -29,10 +35,12 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from app.rewards.sandbox import code_reward
+from app.rewards.styles import InvalidReturn, RewardCall, RewardInput, SignatureError
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, str], float | dict]
+RewardFn = Callable[..., Any]
+"""A reward function in one of the styles of app/rewards/styles.py; the built-ins take (response, answer)."""
 
 _NUMBER = re.compile(r"(?:(?<![\w.])-)?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?")
 _AFTER_HASHES = re.compile(r"\s*([-+]?\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
@@ -122,8 +130,9 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
 
     `exact_match`, `gsm8k`, `math`, `auto` (gsm8k when `data_source` contains "gsm8k", math for math-like
     sources (math, aime, amc, olympiad), the sandbox for `code`, else exact_match), or a
-    dotted path `pkg.module:function` / `pkg.module.function` to a user function called as
-    `fn(response, answer)`. Raises ValueError naming the spec and the fix when it cannot be resolved.
+    dotted path `pkg.module:function` / `pkg.module.function` to a user function in one of the styles of
+    app/rewards/styles.py. Raises ValueError naming the spec and the fix when it cannot be resolved, and
+    SignatureError (a ValueError) naming the supported styles when its parameters fit none of them.
     """
     spec = (spec or "").strip()
     if spec == "auto":
@@ -154,11 +163,9 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"{hint}; {attr!r} in {module_name!r} is a {type(obj).__name__}, not a function")
     try:
-        inspect.signature(obj).bind("", "")
-    except TypeError as e:
-        raise ValueError(f"{hint}; {spec} must accept (response, answer): {e}") from e
-    except ValueError:
-        pass  # no introspectable signature (some builtins): accept it
+        RewardCall.of(obj, spec)
+    except SignatureError as e:
+        raise SignatureError(f"reward {spec!r}: {e}") from None
     return obj
 
 
@@ -174,7 +181,8 @@ class RewardResult:
     scoring process's memory limit, `reward.max_memory_mb`) or "crash" (the scoring process or worker
     died) (and `score` is `on_error`);
     `detail` explains the error (at most DETAIL_CHARS); `extras` holds the numeric sub-scores of a dict
-    return; `output_dropped` counts the bytes of what the reward printed beyond the scoring process's cap.
+    return; `output_dropped` counts the bytes of what the reward printed beyond the scoring process's cap;
+    `scores` holds each function's score by name when several are combined (`reward.fns`: combine.py).
     """
 
     score: float
@@ -182,6 +190,7 @@ class RewardResult:
     detail: str = ""
     extras: dict[str, float] = field(default_factory=dict)
     output_dropped: int = 0
+    scores: dict[str, float] = field(default_factory=dict)
 
 
 def _finite(v: Any) -> float | None:
@@ -214,15 +223,16 @@ async def _awaited(aw: Any) -> Any:
     return await aw
 
 
-def evaluate(fn: RewardFn, response: str, answer: str, on_error: float) -> RewardResult:
-    """Run `fn(response, answer)` here and now (an async function is awaited on a fresh event loop); never
-    raises. No deadline: this runs inside a scoring process (app.rewards.pool.RewardProcesses), which its
-    parent kills at the deadline. Exceptions score `on_error` with error="exception" (logged as a warning),
-    a MemoryError (the process's memory limit) with error="oom"; NaN/inf or a non-numeric result gives
-    error="invalid"."""
-    name = getattr(fn, "__name__", type(fn).__name__)
+def evaluate(fn: RewardFn | RewardCall, inp: RewardInput, on_error: float) -> RewardResult:
+    """Score `inp` with `fn` (any style; an async function is awaited on a fresh event loop) here and now;
+    never raises. No deadline: this runs inside a scoring process (app.rewards.pool.RewardProcesses), which
+    its parent kills at the deadline. Exceptions score `on_error` with error="exception" (logged as a
+    warning), a MemoryError (the process's memory limit) with error="oom"; NaN/inf, a non-numeric result or
+    a TRL-style return that is not a list of one gives error="invalid"."""
+    call = fn if isinstance(fn, RewardCall) else RewardCall.of(fn)
+    name = getattr(call.fn, "__name__", type(call.fn).__name__)
     try:
-        value = fn(response, answer)
+        value = call(inp)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
     except MemoryError as e:  # over the scoring process's limit (reward.max_memory_mb), or truly out
@@ -236,7 +246,9 @@ def evaluate(fn: RewardFn, response: str, answer: str, on_error: float) -> Rewar
         log.warning("reward function %s raised %s; scoring %s", name, detail, on_error)
         return RewardResult(on_error, "exception", detail)
     try:
-        return _interpret(value, on_error)
+        return _interpret(call.one(value), on_error)
+    except InvalidReturn as e:
+        return RewardResult(on_error, "invalid", str(e)[:DETAIL_CHARS])
     except Exception as e:  # a pathological return value (e.g. a dict subclass that raises)
         return RewardResult(on_error, "invalid", f"{type(e).__name__}: {e}"[:DETAIL_CHARS])
 

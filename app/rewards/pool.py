@@ -25,7 +25,11 @@ the first OUTPUT_CAP_BYTES of each reward are logged, the rest is dropped and co
 An exception, a timeout, an invalid value, a MemoryError or a dead process or worker scores
 `reward.on_error` and is counted by kind (`reward/errors_exception`, `_timeout`, `_invalid`, `_oom`,
 `_crash`). A dead worker is restarted by Ray (with a margin beyond `reward.timeout_s` for a worker that is
-itself stuck). Nothing here raises into the rollout.
+itself stuck). The one thing that raises into the rollout is `RewardsFailed` (app/rewards/guard.py): every
+one of the run's first `reward.fail_fast_samples` samples failed.
+
+Several functions (`reward.fns`, app/rewards/combine.py) each have their own scoring processes
+(`RewardScorer`); a sample is scored by each in turn, each within `reward.timeout_s`, and combined.
 """
 
 from __future__ import annotations
@@ -45,12 +49,15 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 from app.rewards import RewardResult, evaluate, resolve_reward_fn, warm_up
+from app.rewards.combine import RewardSpec, combine, reward_specs, spec_name
+from app.rewards.guard import FailFast
+from app.rewards.styles import RewardCall, RewardInput
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +98,7 @@ class _Process:
         self.send({**init, "max_memory_mb": max_memory_mb})
 
     def send(self, msg: dict[str, Any]) -> None:
-        data = json.dumps(msg).encode()
+        data = json.dumps(msg, default=str).encode()  # a row's extra_info may hold dates, bytes...
         assert self.proc.stdin is not None
         self.proc.stdin.write(_HEADER.pack(len(data)) + data)
 
@@ -245,13 +252,13 @@ class RewardProcesses:
             return
         self._give_back(proc)
 
-    def score(self, data_source: str, response: str, answer: str) -> RewardResult:
-        """`fn(response, answer)` in a scoring process, within `timeout_s`; never raises. What it printed
-        is logged up to OUTPUT_CAP_BYTES; the bytes beyond are counted in `output_dropped`."""
+    def score(self, inp: RewardInput) -> RewardResult:
+        """The function's score of `inp` in a scoring process, within `timeout_s`; never raises. What it
+        printed is logged up to OUTPUT_CAP_BYTES; the bytes beyond are counted in `output_dropped`."""
         proc = None
         try:
             proc = self._take()
-            res = self._resolve(proc, data_source) or self._evaluate(proc, data_source, response, answer)
+            res = self._resolve(proc, inp.data_source) or self._evaluate(proc, inp)
         except (OSError, EOFError, ValueError, TypeError) as e:  # could not start, died, garbled reply
             dropped = 0
             if proc is not None:
@@ -305,8 +312,9 @@ class RewardProcesses:
         proc.ready.add(data_source)
         return None
 
-    def _evaluate(self, proc: _Process, data_source: str, response: str, answer: str) -> RewardResult:
-        proc.send({"op": "score", "data_source": data_source, "response": response, "answer": answer})
+    def _evaluate(self, proc: _Process, inp: RewardInput) -> RewardResult:
+        data_source = inp.data_source
+        proc.send({"op": "score", "data_source": data_source, "input": asdict(inp)})
         wait = self.timeout_s if 0 < self.timeout_s < math.inf else math.inf
         reply = proc.recv(time.monotonic() + wait)
         if reply is None:
@@ -376,7 +384,7 @@ def child_main() -> None:
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)  # what a reward prints goes to the output pipe (capped by the parent), never the protocol
-    fns: dict[str, Any] = {}
+    fns: dict[str, RewardCall] = {}
     try:
         init = _read_msg(proto_in)
     except EOFError:
@@ -394,33 +402,73 @@ def child_main() -> None:
         ds = msg["data_source"]
         if msg["op"] == "resolve":
             try:
-                fns[ds] = resolve_reward_fn(init["spec"], ds)
-                warm_up(fns[ds])
+                fns[ds] = RewardCall.of(resolve_reward_fn(init["spec"], ds), init["spec"])
+                warm_up(fns[ds].fn)
                 reply: dict[str, Any] = {"error": None}
             except Exception as e:
                 reply = {"error": f"{type(e).__name__}: {e}"}
         else:
-            reply = asdict(evaluate(fns[ds], msg["response"], msg["answer"], init["on_error"]))
+            reply = asdict(evaluate(fns[ds], RewardInput(**msg["input"]), init["on_error"]))
         _flush_output()
         data = json.dumps(reply).encode()
         os.write(proto_out, _HEADER.pack(len(data)) + data)
 
 
-class RewardWorker:
-    """One CPU reward worker (a Ray actor): its own pool of scoring processes."""
+class RewardScorer:
+    """A run's reward functions, each in its own `RewardProcesses`: `score(inp)` runs each in turn (each
+    within `timeout_s`) and combines them (app/rewards/combine.py); blocks its thread, never raises."""
 
     def __init__(
         self,
-        spec: str,
+        specs: str | Sequence[RewardSpec],
+        timeout_s: float,
+        on_error: float,
+        max_idle: int = 8,
+        max_memory_mb: int | None = None,
+        named: bool = False,
+    ) -> None:
+        if isinstance(specs, str):
+            specs = [RewardSpec(spec=specs, name=spec_name(specs))]
+        self.named = named
+        self.parts = [
+            (spec, RewardProcesses(spec.spec, timeout_s, on_error, max_idle, max_memory_mb)) for spec in specs
+        ]
+        self.resolved: set[str] = set()
+
+    def resolve(self, data_source: str) -> None:
+        """Resolve every function for `data_source` here, so a bad spec raises in the caller, not in a
+        scoring process."""
+        if data_source not in self.resolved:
+            for spec, _ in self.parts:
+                resolve_reward_fn(spec.spec, data_source)
+            self.resolved.add(data_source)
+
+    def score(self, inp: RewardInput) -> RewardResult:
+        return combine([(spec, procs.score(inp)) for spec, procs in self.parts], self.named)
+
+    @property
+    def processes(self) -> list[RewardProcesses]:
+        return [procs for _, procs in self.parts]
+
+    def close(self) -> None:
+        for procs in self.processes:
+            procs.close()
+
+
+class RewardWorker:
+    """One CPU reward worker (a Ray actor): its own scoring processes for each reward function."""
+
+    def __init__(
+        self,
+        specs: str | Sequence[RewardSpec],
         timeout_s: float,
         on_error: float,
         concurrency: int = 8,
         max_memory_mb: int | None = None,
+        named: bool = False,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self.spec = spec
-        self.fns: dict[str, Any] = {}
-        self.procs = RewardProcesses(spec, timeout_s, on_error, max(1, concurrency), max_memory_mb)
+        self.procs = RewardScorer(specs, timeout_s, on_error, max(1, concurrency), max_memory_mb, named)
         self.executor = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="reward")
 
     def pid(self) -> int:
@@ -428,13 +476,13 @@ class RewardWorker:
 
     def scorer_pids(self) -> list[int]:
         """Pids of the idle scoring processes and of those killed at a deadline (for tests)."""
-        return [p.proc.pid for p in self.procs.idle] + [-pid for pid in self.procs.killed]
+        procs = self.procs.processes
+        return [p.proc.pid for ps in procs for p in ps.idle] + [-pid for ps in procs for pid in ps.killed]
 
-    async def score(self, data_source: str, text: str, answer: str) -> dict[str, Any]:
-        if data_source not in self.fns:  # a bad spec raises here, as it always did, not in a subprocess
-            self.fns[data_source] = resolve_reward_fn(self.spec, data_source)
+    async def score(self, inp: RewardInput) -> dict[str, Any]:
+        self.procs.resolve(inp.data_source)  # a bad spec raises here, as it always did, not in a subprocess
         loop = asyncio.get_running_loop()
-        res = await loop.run_in_executor(self.executor, self.procs.score, data_source, text, answer)
+        res = await loop.run_in_executor(self.executor, self.procs.score, inp)
         return asdict(res)
 
     async def run(self, fn: Any, *args: Any) -> Any:
@@ -445,15 +493,20 @@ class RewardWorker:
 
 
 class RewardPool:
-    """What the rollouter calls: `await pool.score(data_source, text, answer)` -> RewardResult."""
+    """What the rollouter calls: `await pool.score(inp)` -> RewardResult (the weighted total of
+    `reward.fns`, or `reward.fn`'s score). Raises `RewardsFailed` (app/rewards/guard.py) once every one of the
+    first `reward.fail_fast_samples` samples failed."""
 
     def __init__(self, reward_cfg: Any, name_prefix: str) -> None:
-        self.cfg = reward_cfg
+        c = self.cfg = reward_cfg
+        fns, weights = list(getattr(c, "fns", None) or []), list(getattr(c, "weights", None) or [])
+        specs, named = reward_specs(c.fn, fns, weights), bool(fns)
+        self.functions = len(specs)
+        self.guard = FailFast(getattr(c, "fail_fast_samples", 0))
         self.workers: list[Any] = []
         self.busy: list[int] = []
-        self.fns: dict[str, Any] = {}
-        n, conc = int(reward_cfg.workers), max(1, int(reward_cfg.max_concurrency))
-        self.procs: RewardProcesses | None = None
+        n, conc = int(c.workers), max(1, int(c.max_concurrency))
+        self.procs: RewardScorer | None = None
         self.executor: ThreadPoolExecutor | None = None
         if n > 0:
             import ray
@@ -462,33 +515,32 @@ class RewardPool:
             self.workers = [
                 cls.options(
                     name=f"{name_prefix}-reward-{i}",
-                    num_cpus=reward_cfg.worker_cpus,
-                    max_concurrency=reward_cfg.max_concurrency,
+                    num_cpus=c.worker_cpus,
+                    max_concurrency=c.max_concurrency,
                     max_restarts=-1,  # a worker killed by a hostile reward comes back
                     max_task_retries=0,  # ...but the reward that killed it is not retried: it scores on_error
-                ).remote(
-                    reward_cfg.fn, reward_cfg.timeout_s, reward_cfg.on_error, conc, reward_cfg.max_memory_mb
-                )
+                ).remote(specs, c.timeout_s, c.on_error, conc, c.max_memory_mb, named)
                 for i in range(n)
             ]
             self.busy = [0] * n
         else:  # threads that only wait on pipes: the event loop never blocks on a reward
-            c = reward_cfg
-            self.procs = RewardProcesses(c.fn, c.timeout_s, c.on_error, conc, c.max_memory_mb)
+            self.procs = RewardScorer(specs, c.timeout_s, c.on_error, conc, c.max_memory_mb, named)
             self.executor = ThreadPoolExecutor(conc, thread_name_prefix="reward")
         self.sem = asyncio.Semaphore(max(1, n) * conc)
 
     async def pids(self) -> list[int]:
         return [await w.pid.remote() for w in self.workers]
 
-    async def score(self, data_source: str, text: str, answer: str) -> RewardResult:
+    async def score(self, inp: RewardInput) -> RewardResult:
         async with self.sem:
             if self.procs is not None:
-                if data_source not in self.fns:
-                    self.fns[data_source] = resolve_reward_fn(self.cfg.fn, data_source)
+                self.procs.resolve(inp.data_source)
                 loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self.executor, self.procs.score, data_source, text, answer)
-            return await self._remote(data_source, text, answer)
+                res = await loop.run_in_executor(self.executor, self.procs.score, inp)
+            else:
+                res = await self._remote(inp)
+        self.guard.observe(inp, res)
+        return res
 
     @contextlib.contextmanager
     def _least_busy(self) -> Iterator[int]:
@@ -500,12 +552,13 @@ class RewardPool:
         finally:
             self.busy[i] -= 1
 
-    async def _remote(self, data_source: str, text: str, answer: str) -> RewardResult:
+    async def _remote(self, inp: RewardInput) -> RewardResult:
         c = self.cfg
         with self._least_busy() as i:
             try:
-                ref = self.workers[i].score.remote(data_source, text, answer)
-                d = await asyncio.wait_for(ref, timeout=c.timeout_s + WORKER_MARGIN_S)
+                ref = self.workers[i].score.remote(inp)
+                # the functions run one after the other, each within timeout_s
+                d = await asyncio.wait_for(ref, timeout=c.timeout_s * self.functions + WORKER_MARGIN_S)
                 return RewardResult(**d)
             except asyncio.TimeoutError:
                 return RewardResult(

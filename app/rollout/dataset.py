@@ -43,7 +43,7 @@ from app.rollout.prompt_files import (
 
 BLOCK_ROWS = 4096  # rows per block the reader yields: bounded memory whatever the file's size
 ROW = "_relay_row"  # the row-number column the parquet reader adds to the file's own columns
-COLUMNS = ("uid", "prompt", "is_chat", "answer", "data_source", "index")
+COLUMNS = ("uid", "prompt", "is_chat", "answer", "data_source", "index", "extra_info")
 
 
 def is_parquet(path: str | Path) -> bool:
@@ -157,7 +157,8 @@ class Tokenize:
 
 
 def plain_row(r: PromptRow) -> dict[str, Any]:
-    """A validated row as Ray Data columns (chat messages as a JSON string: one column type for both)."""
+    """A validated row as Ray Data columns (chat messages and extra_info as JSON strings: one column type for
+    every row)."""
     chat = isinstance(r.prompt, list)
     return {
         "uid": r.uid,
@@ -166,6 +167,7 @@ def plain_row(r: PromptRow) -> dict[str, Any]:
         "answer": r.answer,
         "data_source": r.data_source,
         "index": r.index,
+        "extra_info": json.dumps(r.extra_info, default=str),
     }
 
 
@@ -178,6 +180,7 @@ def prompt_row(rec: dict[str, Any]) -> PromptRow:
         answer=str(rec["answer"]),
         data_source=str(rec["data_source"]),
         index=int(rec["index"]),
+        extra_info=json.loads(str(rec["extra_info"])),
     )
 
 
@@ -436,5 +439,7 @@ def to_prompt(row: dict[str, Any]) -> Prompt:
         answer=str(row["answer"]),
         data_source=str(row["data_source"]),
         prompt_text=str(row["prompt"]),
+        chat=bool(row["is_chat"]),
+        extra_info=json.loads(str(row["extra_info"])),
         index=int(row["index"]),
     )

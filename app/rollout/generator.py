@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from app.envs.base import EnvFactory
 from app.records import GenerateRequest, GenerateResponse, Group, Prompt, Sample
 from app.rewards import RewardResult, overlong_penalty
+from app.rewards.styles import RewardInput
 from app.rollout import admission
 from app.rollout.episode import Episode, EpisodeLimits
 
@@ -36,7 +37,7 @@ class GenerateFn(Protocol):
     async def __call__(self, req: GenerateRequest) -> GenerateResponse: ...
 
 
-ScoreFn = Callable[[str, str, str], Awaitable[RewardResult]]  # (data_source, text, answer)
+ScoreFn = Callable[[RewardInput], Awaitable[RewardResult]]  # one sample and its row -> its reward
 
 
 class RefFill(Protocol):
@@ -169,6 +170,8 @@ class GroupGenerator:
             epoch=prompt.epoch,
             prompt_text=prompt.prompt_text,
             data_source=prompt.data_source,
+            chat=prompt.chat,
+            extra_info=dict(prompt.extra_info),
         )
         if train and score_now and self.refs is not None:
             await self.refs.fill(g)
@@ -177,13 +180,14 @@ class GroupGenerator:
     def _set_reward(self, s: Sample, res: RewardResult | None, shape: bool = True) -> None:
         """The sample's reward; training samples (`shape`) also get the overlong punishment, if on."""
         if res is None:
-            s.reward, s.reward_error, s.reward_extras = 0.0, "unscored", {}
+            s.reward, s.reward_error, s.reward_extras, s.reward_scores = 0.0, "unscored", {}, {}
             return
         if res.error and not res.error.startswith("env_"):  # an environment's are counted as env/errors_*
             self.stats[f"reward/errors_{res.error}"] += 1
         if getattr(res, "output_dropped", 0):  # what the reward printed past the scoring process's cap
             self.stats["reward/output_dropped_bytes"] += res.output_dropped
         s.reward, s.reward_error, s.reward_extras = res.score, res.error, dict(res.extras or {})
+        s.reward_scores = dict(getattr(res, "scores", None) or {})
         if shape and self.s.overlong_buffer > 0:
             pen = overlong_penalty(
                 len(s.token_ids), self.s.max_tokens, self.s.overlong_buffer, self.s.overlong_factor
@@ -198,7 +202,8 @@ class GroupGenerator:
             if self.refs is not None:
                 await self.refs.fill(g)
             return g
-        results = await asyncio.gather(*[self.score(g.data_source, s.text, g.answer) for s in g.samples])
+        prompt = g.prompt()
+        results = await asyncio.gather(*[self.score(RewardInput.of(prompt, s.text)) for s in g.samples])
         for s, res in zip(g.samples, results, strict=True):
             self._set_reward(s, res)
         if self.refs is not None:
@@ -224,7 +229,7 @@ class GroupGenerator:
         sample.text = self.decode(sample.token_ids)
         if not score_now:
             return sample, None
-        return sample, await self.score(prompt.data_source, sample.text, prompt.answer)
+        return sample, await self.score(RewardInput.of(prompt, sample.text))
 
     async def _request(self, uid: str, req: GenerateRequest) -> GenerateResponse:
         """One generation within `rollout.request_timeout_s`. A replica or engine that died is retried on a

@@ -7,7 +7,8 @@ A background task takes prompts from the `PromptStream` and starts one group eac
 bound per `over_bound` (and counting it); `on_push(version)` raises the admission limit.
 
 A failed group's prompt goes back to the stream (three tries per prompt, then the stream fails and the
-trainer's next `get_batch` raises). A group started before a `restore` (stream generation) is dropped when
+trainer's next `get_batch` raises); a group that failed because the run's rewards all fail
+(`RewardsFailed`, app/rewards/guard.py) fails the stream at once. A group started before a `restore` (stream generation) is dropped when
 it finishes: its prompt is in the restored state.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.records import Batch, Filtered, Group, Prompt
+from app.rewards.guard import RewardsFailed
 from app.rollout import admission, filtering
 from app.rollout.generator import Frozen
 from app.rollout.prompt_stream import PromptStream
@@ -169,6 +171,8 @@ class AsyncProducer:
                 self.ready.append(g)
         except Frozen as f:
             self.stream.keep_partial(f.key, f.samples)
+        except RewardsFailed as e:  # no retry can help: the reward function fails on everything
+            self.error = e
         except Exception as e:  # a failed group: its prompt goes back to the stream (MAX_TRIES tries)
             if gen != self.stream.generation:
                 return

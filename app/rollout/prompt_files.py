@@ -11,7 +11,7 @@ import logging
 import math
 import numbers
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,15 @@ _PARQUET_FORMAT = (
 
 @dataclass
 class PromptRow:
-    """One prompt: `prompt` is a string or chat messages; `index` is its 0-based row number in the file."""
+    """One prompt: `prompt` is a string or chat messages; `index` is its 0-based row number in the file;
+    `extra_info` is the row's verl `extra_info` mapping ({} when it has none), which reward functions see."""
 
     uid: str
     prompt: str | list[dict]
     answer: str
     data_source: str
     index: int
+    extra_info: dict[str, Any] = field(default_factory=dict)
 
 
 class DataError(UserError, ValueError):
@@ -199,6 +201,7 @@ def normalize_row(
         answer=_check_answer(answer, where, key, fmt),
         data_source=source or p.stem,
         index=row,
+        extra_info=dict(extra) if isinstance(extra, Mapping) else {},
     )
 
 

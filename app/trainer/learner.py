@@ -576,10 +576,13 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     mean = sum(rewards) / n
     std = (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5
     subs: dict[str, list[float]] = {}
+    fns: dict[str, list[float]] = {}  # each reward function's score (reward.fns)
     for g in batch.groups:
         for s in g.samples:
             for k, v in s.reward_extras.items():
                 subs.setdefault(k, []).append(v)
+            for k, v in s.reward_scores.items():
+                fns.setdefault(k, []).append(v)
     solved = sum(1 for g in batch.groups if all(s.reward > 0 for s in g.samples))
     zero = sum(1 for g in batch.groups if len({s.reward for s in g.samples}) == 1)
     return {
@@ -596,6 +599,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "data/dropped_overlong": float(batch.dropped_overlong),
         **{k: float(v) for k, v in batch.reward_errors.items()},
         **{f"reward/sub/{k}": sum(v) / len(v) for k, v in subs.items()},  # a reward's named sub-scores
+        **{f"reward/{k}": sum(v) / len(v) for k, v in fns.items()},  # each function's of reward.fns
         **env_metrics([s for g in batch.groups for s in g.samples]),
     }
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from app.config import load_config
 from app.rewards.pool import RewardPool
-from tests.test_reward_stage import TOWERS
+from tests.test_reward_stage import TOWERS, sample
 
 
 def test_exponent_towers_time_out_in_a_ray_reward_worker(ray_cluster):
@@ -27,9 +27,11 @@ def test_exponent_towers_time_out_in_a_ray_reward_worker(ray_cluster):
     async def run() -> tuple[list[tuple[float, str | None, float]], list[int]]:
         out = []
         for tower in TOWERS:
-            assert (await pool.score("math", "\\boxed{2}", "2")).score == 1.0  # warm worker and process
+            assert (
+                await pool.score(sample("\\boxed{2}", "2", "math"))
+            ).score == 1.0  # warm worker and process
             t0 = time.monotonic()
-            r = await pool.score("math", tower, "1")
+            r = await pool.score(sample(tower, "1", "math"))
             out.append((r.score, r.error, time.monotonic() - t0))
         return out, await pool.workers[0].scorer_pids.remote()
 
