@@ -140,8 +140,8 @@ def _wait_state(t: Trainer, fut: Any) -> str | None:
 
 
 def train(t: Trainer, st: RunState, batch: Batch, step: int) -> tuple[dict[str, float], float, float]:
-    """One optimizer step on `batch`, then wait for what must end before a push. Returns the step's stats,
-    the training seconds and the seconds waited after training."""
+    """Train on `batch` (one optimizer step, or one per PPO mini-batch and epoch), then wait for what must end
+    before a push. Returns the step's stats, the training seconds and the seconds waited after training."""
     t1 = time.perf_counter()
     t.monitor.phase(f"training step {step}")
     stats = t.learner.step(batch)
@@ -165,10 +165,10 @@ def settle_filtered(t: Trainer, step: int, batch: Batch) -> None:
 
 
 def count_skipped(t: Trainer, st: RunState, stats: dict[str, float], batch: Batch, step: int) -> None:
-    """A step whose loss or gradient was non-finite changed nothing: count it, keep its prompt ids, and end
-    the run past `train.max_skipped_steps`."""
+    """An optimizer step whose loss or gradient was non-finite changed nothing: count it, keep the batch's prompt
+    ids, and end the run past `train.max_skipped_steps`."""
     if stats["train/skipped_steps"]:
-        st.skipped_total += 1
+        st.skipped_total += int(stats["train/skipped_steps"])
         bad = t.run_dir / "nonfinite" / f"step_{step:06d}.json"
         if t.lead:
             bad.parent.mkdir(parents=True, exist_ok=True)
