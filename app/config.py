@@ -186,6 +186,12 @@ class RolloutConfig(_Section):
     """Sampling temperature of training rollouts (behaviour log-probs are taken after it)."""
     top_p: float = 1.0
     """Nucleus sampling of training rollouts."""
+    top_k: int = 0
+    """Top-k sampling of training rollouts (0: off). Like `top_p` and `temperature` it shapes the behaviour
+    log-probs (taken after them), which the trainer's own (the raw model's) are compared with."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (training and validation), e.g. `["</answer>"]`; the tokens that wrote
+    the string stay in the response (they were sampled, so they are trained)."""
     min_replicas: int = 1
     """Minimum (and initial) number of vLLM replicas in the Serve deployment."""
     max_replicas: int = 1
@@ -239,6 +245,7 @@ class RolloutConfig(_Section):
         "max_tokens": rng(">= 1"),
         "temperature": rng("> 0", "training rollouts must sample; greedy gives identical group members"),
         "top_p": rng("(0, 1]"),
+        "top_k": rng(">= 0", "0: off"),
         "min_replicas": rng(">= 1"),
         "max_replicas": rng(">= 1"),
         "target_ongoing_requests": rng("> 0"),
@@ -271,6 +278,12 @@ class RolloutConfig(_Section):
             f"false applies to {prefix}partial=keep only (it is {self.partial!r}: its generations are "
             f"{'resubmitted' if self.partial == 'resubmit' else 'finished before the load'}, nothing is "
             "frozen); drop it or set partial=keep",
+        )
+        _check(
+            f"{prefix}stop",
+            all(isinstance(x, str) and x for x in self.stop),
+            f"{list(self.stop)!r}: every stop string must be non-empty (an empty one would end every response "
+            f'at once), e.g. {prefix}stop=["</answer>"]',
         )
         _check(
             f"{prefix}max_replicas",
