@@ -718,14 +718,25 @@ class TrackingConfig(_Section):
     """MLflow tracking URI; empty means a local SQLite store, `run_dir`/mlflow.db."""
     experiment: str = "relay"
     """MLflow experiment name."""
+    artifact_uri: str = ""
+    """Where MLflow keeps the artifacts (final model, samples, plots) of the experiment's runs: a path or an
+    artifact URI (`s3://...`). Empty: `<run_dir>/mlartifacts` with a local store, the server's default with
+    an HTTP `uri`. MLflow fixes it when the experiment is created: an existing experiment keeps its own."""
     run_name: str = ""
     """Run name (default: relay-<timestamp>); also names the run folder."""
     log_samples: int = 8
     """Sample generations logged as a table at each validation."""
+    rollouts_per_step: int = 4
+    """Training rollouts written as text each step to `<run_dir>/<run>/rollouts.jsonl` (prompt, response,
+    reward and sub-scores, finish reason, the versions that sampled it), drawn at random (seeded); logged to
+    MLflow at the end. 0: none."""
     register_model: str = ""
     """If set, register the final checkpoint in the MLflow model registry under this name (a new version)."""
 
-    _RANGES: ClassVar[dict[str, Range]] = {"log_samples": rng(">= 0", "0: no sample table")}
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "log_samples": rng(">= 0", "0: no sample table"),
+        "rollouts_per_step": rng(">= 0", "0: no rollouts.jsonl"),
+    }
 
 
 @dataclass

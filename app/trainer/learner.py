@@ -359,6 +359,8 @@ class Learner:
         )
         if not several:  # the proximal policy is the current one: nothing to measure
             out.pop("actor/ppo_kl", None)
+        if not (self.cfg.train.log_entropy or a.entropy_coef > 0):  # not computed
+            out.pop("actor/entropy", None)
         return out
 
     def _layout(self, batch: Batch) -> _Update:
@@ -599,7 +601,8 @@ class Learner:
         return row_values(mb, logp, 0, row)
 
     def save_hf(self, path: str, tokenizer_path: str) -> None:
-        """Full HF checkpoint (model + tokenizer) that vLLM can load; collective, rank 0 writes."""
+        """Full HF checkpoint (model + tokenizer) that vLLM can load, in `model.dtype` (the replicas' dtype;
+        the trainer keeps float32 master weights); collective, rank 0 writes."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers import AutoTokenizer
 
@@ -612,8 +615,9 @@ class Learner:
         if self.rank == 0:
             from transformers import AutoModelForCausalLM
 
-            cfg_model = AutoModelForCausalLM.from_pretrained(tokenizer_path, dtype=torch.float32)
-            cfg_model.load_state_dict({param_name(k): v for k, v in sd.items()})
+            dtype = getattr(torch, self.cfg.model.dtype)
+            cfg_model = AutoModelForCausalLM.from_pretrained(tokenizer_path, dtype=dtype)
+            cfg_model.load_state_dict({param_name(k): v.to(dtype) for k, v in sd.items()})
             cfg_model.save_pretrained(path, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
 
