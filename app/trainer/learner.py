@@ -413,10 +413,8 @@ class Learner:
             plan = plan_micro_batches(lengths, self.world, t.micro_batch_tokens, t.micro_batch_size)
             n_micro = max(1, max(len(p) for p in plan))
             return [[rows[i] for i in mb] for mb in plan[self.rank]], n_micro
-        mine, most = (
-            rows[self.rank :: self.world],
-            math.ceil(len(rows) / self.world),
-        )  # most: any rank's share
+        mine = rows[self.rank :: self.world]
+        most = math.ceil(len(rows) / self.world)  # the largest rank's share: the same on every rank
         mbs = t.micro_batch_size or max(1, most)  # 0: a rank's whole share in one pass
         n_micro = max(1, math.ceil(most / mbs))
         return [
