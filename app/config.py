@@ -264,6 +264,12 @@ class RolloutConfig(_Section):
     """Sampling temperature of training rollouts (behaviour log-probs are taken after it)."""
     top_p: float = 1.0
     """Nucleus sampling of training rollouts."""
+    top_k: int = 0
+    """Top-k sampling of training rollouts (0: off). Like `top_p` and `temperature` it shapes the behaviour
+    log-probs (taken after them), which the trainer's own (the raw model's) are compared with."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end a response (training and validation), e.g. `["</answer>"]`; the tokens that wrote
+    the string stay in the response (they were sampled, so they are trained)."""
     min_replicas: int = 1
     """Minimum (and initial) number of vLLM replicas in the Serve deployment."""
     max_replicas: int = 1
@@ -317,6 +323,7 @@ class RolloutConfig(_Section):
         "max_tokens": rng(">= 1"),
         "temperature": rng("> 0", "training rollouts must sample; greedy gives identical group members"),
         "top_p": rng("(0, 1]"),
+        "top_k": rng(">= 0", "0: off"),
         "min_replicas": rng(">= 1"),
         "max_replicas": rng(">= 1"),
         "target_ongoing_requests": rng("> 0"),
@@ -351,6 +358,12 @@ class RolloutConfig(_Section):
             "frozen); drop it or set partial=keep",
         )
         _check(
+            f"{prefix}stop",
+            all(isinstance(x, str) and x for x in self.stop),
+            f"{list(self.stop)!r}: every stop string must be non-empty (an empty one would end every response "
+            f'at once), e.g. {prefix}stop=["</answer>"]',
+        )
+        _check(
             f"{prefix}max_replicas",
             self.max_replicas >= self.min_replicas,
             f"{self.max_replicas} is below {prefix}min_replicas={self.min_replicas}; raise it or lower that",
@@ -360,7 +373,8 @@ class RolloutConfig(_Section):
 @dataclass
 class TrainConfig(_Section):
     steps: int = 60
-    """Optimizer steps (= weight versions) of the run."""
+    """Training steps (= weight versions) of the run: each trains one batch (`algorithm.ppo_epochs` x
+    mini-batches optimizer steps, one by default)."""
     workers: int = 2
     """Ray Train workers (FSDP2 ranks)."""
     worker_cpus: float = 1.0
@@ -372,13 +386,15 @@ class TrainConfig(_Section):
     rollout.replica_gpus=0.4: one GPU for the whole run, see configs/gpu1.yaml)."""
     batch_groups: int = 16
     """Prompt groups per optimizer step (each of `rollout.n` samples)."""
-    micro_batch_size: int = 64
-    """Sequences per forward/backward on one worker, right-padded to the longest (with
-    `micro_batch_tokens=0`)."""
+    micro_batch_size: int = 0
+    """At most this many sequences per forward/backward on one worker (verl's `ppo_micro_batch_size_per_gpu`),
+    packed or padded; 0: no limit of its own (packed passes are bounded by `micro_batch_tokens`, a padded one
+    takes the worker's whole share). Lower it (or `micro_batch_tokens`) when a step runs out of memory."""
     micro_batch_tokens: int = 16384
     """Tokens per packed micro-batch: sequences are concatenated without padding (each attends only to
-    itself) and packed into forward/backward passes of at most this many tokens (a longer sequence gets a
-    pass of its own); `micro_batch_size` is then unused. 0: padded micro-batches of `micro_batch_size`."""
+    itself) and packed into forward/backward passes of at most this many tokens and at most
+    `micro_batch_size` sequences (a longer sequence gets a pass of its own). 0: no packing: padded
+    micro-batches of `micro_batch_size` sequences, right-padded to the longest."""
     logprob_chunk_tokens: int = 1024
     """Token log-probs (and entropy) are computed from the last hidden states and the output embedding this
     many tokens at a time, recomputed in the backward pass, so no [tokens x vocab] float32 logits are held.
@@ -422,7 +438,7 @@ class TrainConfig(_Section):
     grad_clip: float = 1.0
     """Gradient-norm clipping threshold."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up steps (0: none)."""
+    """Linear learning-rate warm-up, in optimizer steps (0: none)."""
     backend: Backend = "auto"
     """Default process group of the trainer: gloo on CPU, nccl on GPU."""
     activation_checkpointing: bool = False
@@ -454,7 +470,7 @@ class TrainConfig(_Section):
         "worker_cpus": _SHARE,
         "worker_gpus": rng("(0, 1]", "a worker is one FSDP2 rank on one GPU, or a share of one"),
         "batch_groups": rng(">= 1"),
-        "micro_batch_size": rng(">= 1"),
+        "micro_batch_size": rng(">= 0", "0: no limit on sequences per pass"),
         "micro_batch_tokens": rng(">= 0", "0: padded micro-batches of micro_batch_size sequences"),
         "logprob_chunk_tokens": rng(">= 0", "0: full logits at once"),
         "lr": rng("> 0"),
@@ -528,6 +544,18 @@ class AlgorithmConfig(_Section):
     0) is not trained; it is replaced from the prompt stream, so every batch keeps `train.batch_groups`
     groups (the last may have fewer when the data runs out). Counted (`async/filtered_groups`) and logged
     to `filtered_groups.jsonl` beside `trained_groups.jsonl`; works in every mode."""
+    ppo_mini_batch_size: int = 0
+    """Prompt groups per optimizer step (verl's `ppo_mini_batch_size`, in prompts): each batch of
+    `train.batch_groups` groups is split into mini-batches of this many, one optimizer step each; 0: the whole
+    batch in one step. With several optimizer steps per batch the trainer first computes its own log-probs of
+    the batch (one forward pass without gradient): the clip and the importance weights of `correction=tis`
+    and `decoupled` are taken against them, so later mini-batches are clipped against the step's start."""
+    ppo_epochs: int = 1
+    """Passes over each batch's mini-batches (verl's `ppo_epochs`): optimizer steps per batch =
+    ppo_epochs x mini-batches. The batch is still one weight version (one push)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus this times the policy's mean token entropy (aggregated as `loss_agg`);
+    0: none. `actor/entropy` is logged whenever it is on."""
     val_every: int = 5
     """Validate every this many versions (and at the first and last)."""
     val_temperature: float = 0.0
@@ -542,6 +570,9 @@ class AlgorithmConfig(_Section):
         "kl_coef": rng(">= 0", "0 disables the KL penalty"),
         "max_log_ratio": rng("> 0", "log-ratios are clamped to +-this before exp()"),
         "clip_ratio_c": rng("> 1", "null turns dual-clip off"),
+        "ppo_mini_batch_size": rng(">= 0", "0: the whole batch in one optimizer step"),
+        "ppo_epochs": rng(">= 1"),
+        "entropy_coef": rng(">= 0", "a negative bonus would push the policy to collapse"),
         "val_every": rng(">= 1"),
         "val_temperature": rng(">= 0", "0: greedy"),
     }
@@ -793,14 +824,25 @@ class TrackingConfig(_Section):
     """MLflow tracking URI; empty means a local SQLite store, `run_dir`/mlflow.db."""
     experiment: str = "relay"
     """MLflow experiment name."""
+    artifact_uri: str = ""
+    """Where MLflow keeps the artifacts (final model, samples, plots) of the experiment's runs: a path or an
+    artifact URI (`s3://...`). Empty: `<run_dir>/mlartifacts` with a local store, the server's default with
+    an HTTP `uri`. MLflow fixes it when the experiment is created: an existing experiment keeps its own."""
     run_name: str = ""
     """Run name (default: relay-<timestamp>); also names the run folder."""
     log_samples: int = 8
     """Sample generations logged as a table at each validation."""
+    rollouts_per_step: int = 4
+    """Training rollouts written as text each step to `<run_dir>/<run>/rollouts.jsonl` (prompt, response,
+    reward and sub-scores, finish reason, the versions that sampled it), drawn at random (seeded); logged to
+    MLflow at the end. 0: none."""
     register_model: str = ""
     """If set, register the final checkpoint in the MLflow model registry under this name (a new version)."""
 
-    _RANGES: ClassVar[dict[str, Range]] = {"log_samples": rng(">= 0", "0: no sample table")}
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "log_samples": rng(">= 0", "0: no sample table"),
+        "rollouts_per_step": rng(">= 0", "0: no rollouts.jsonl"),
+    }
 
 
 @dataclass
@@ -888,6 +930,13 @@ class RelayConfig(_Section):
             "builtin:code needs a tokenizer that can write programs: model.path=builtin:tiny-code (the tiny "
             "model with an ASCII tokenizer; `--config code` sets it up) or a real instruction-tuned model; "
             "the arithmetic tiny model's tokenizer only knows digits and a few letters",
+        )
+
+        _check(
+            f"{prefix}algorithm.ppo_mini_batch_size",
+            self.algorithm.ppo_mini_batch_size <= self.train.batch_groups,
+            f"{self.algorithm.ppo_mini_batch_size} > train.batch_groups ({self.train.batch_groups}): a mini-batch "
+            "is part of a batch; lower it, or 0 for one optimizer step per batch",
         )
 
 

@@ -206,7 +206,7 @@ def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
     """The run folder under `run_dir` (durable: app/infra/storage.py) with its config, and its MLflow run."""
     from app.infra.run_lock import RunLock, new_run_name
     from app.infra.storage import resolve_run_dir
-    from app.infra.tracking import Tracker, default_uri
+    from app.infra.tracking import Tracker, artifact_root, default_uri
 
     name = cfg.tracking.run_name or new_run_name()  # unique also for runs started in the same second
     root = resolve_run_dir(cfg.run_dir)
@@ -222,7 +222,10 @@ def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
             )
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         uri = cfg.tracking.uri or default_uri(str(root))
-        tracker = Tracker.start(uri, cfg.tracking.experiment, name, flatten(cfg))  # an unreachable URI fails
+        artifacts = artifact_root(cfg.tracking.artifact_uri, uri, root)  # not the working directory's mlruns
+        tracker = Tracker.start(
+            uri, cfg.tracking.experiment, name, flatten(cfg), artifacts
+        )  # unreachable: fails
     except BaseException:
         lock.release()
         raise

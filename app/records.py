@@ -185,6 +185,8 @@ class GenerateRequest:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: list[str] = field(default_factory=list)  # strings that end a response (its tokens are kept)
     seed: int | None = None
     ignore_eos: bool = False
 

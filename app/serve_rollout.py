@@ -126,6 +126,8 @@ class RolloutServer:
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
+            stop=list(req.stop),
             version=self.version,
             seed=req.seed,
             ignore_eos=req.ignore_eos,

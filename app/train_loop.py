@@ -31,6 +31,7 @@ from app.trainer.comm import Actors, bcast
 from app.trainer.learner import Learner
 from app.trainer.monitor import Monitor
 from app.trainer.parts import Trainer
+from app.trainer.rollout_log import RolloutLog
 from app.trainer.saving import save_checkpoint
 from app.trainer.sources import SOURCES
 from app.trainer.state import RunState, restore_or_start
@@ -140,8 +141,8 @@ def _wait_state(t: Trainer, fut: Any) -> str | None:
 
 
 def train(t: Trainer, st: RunState, batch: Batch, step: int) -> tuple[dict[str, float], float, float]:
-    """One optimizer step on `batch`, then wait for what must end before a push. Returns the step's stats,
-    the training seconds and the seconds waited after training."""
+    """Train on `batch` (one optimizer step, or one per PPO mini-batch and epoch), then wait for what must end
+    before a push. Returns the step's stats, the training seconds and the seconds waited after training."""
     t1 = time.perf_counter()
     t.monitor.phase(f"training step {step}")
     stats = t.learner.step(batch)
@@ -165,10 +166,10 @@ def settle_filtered(t: Trainer, step: int, batch: Batch) -> None:
 
 
 def count_skipped(t: Trainer, st: RunState, stats: dict[str, float], batch: Batch, step: int) -> None:
-    """A step whose loss or gradient was non-finite changed nothing: count it, keep its prompt ids, and end
-    the run past `train.max_skipped_steps`."""
+    """An optimizer step whose loss or gradient was non-finite changed nothing: count it, keep the batch's prompt
+    ids, and end the run past `train.max_skipped_steps`."""
     if stats["train/skipped_steps"]:
-        st.skipped_total += 1
+        st.skipped_total += int(stats["train/skipped_steps"])
         bad = t.run_dir / "nonfinite" / f"step_{step:06d}.json"
         if t.lead:
             bad.parent.mkdir(parents=True, exist_ok=True)
@@ -223,9 +224,11 @@ def report(
     between, t.between = t.between, []
     if not t.lead:
         return
-    m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step, between)
+    families = t.source.metric_families | ({"filtered"} if t.cfg.algorithm.filter_groups else set())
+    m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step, between, families)
     t.tracker.metrics(m, step)
     t.accounting.append(step, st.version - 1, batch.groups)
+    t.rollouts.append(step, st.version - 1, batch)
     t.accounting.append_filtered(step, batch.filtered)
     for k, gauge in PROMETHEUS.items():
         if k in m:
@@ -270,12 +273,14 @@ def finish(t: Trainer, st: RunState) -> None:
 
 
 def publish(t: Trainer, final: Path) -> None:
-    """Rank 0: the final model and the accounting log to the tracker (and its model registry)."""
-    t.tracker.artifact(str(final), "final_checkpoint")
+    """Rank 0: the final model (`final/`, the name it has on disk), the accounting log and the sampled
+    rollouts to the tracker (and the model to its registry)."""
+    t.tracker.artifact(str(final), final.name)
     if t.cfg.tracking.register_model:
-        t.tracker.register("final_checkpoint", t.cfg.tracking.register_model)
-    if t.accounting.path.exists():
-        t.tracker.artifact(str(t.accounting.path))
+        t.tracker.register(final.name, t.cfg.tracking.register_model)
+    for path in (t.accounting.path, t.rollouts.path):
+        if path.exists():
+            t.tracker.artifact(str(path))
     t.bar.close()
 
 
@@ -336,6 +341,7 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
         model_path=config["model_path"],
         monitor=Monitor(actors if lead else None, cfg.train.stall_timeout_s, run_dir),
         accounting=TrainedLog(run_dir),
+        rollouts=RolloutLog(run_dir, cfg.tracking.rollouts_per_step, cfg.seed),
         prom=prom,
         tracker=tracker,
         validator=Validator(actors, tracker, prom) if lead else None,

@@ -76,3 +76,39 @@ def test_pause_clears_a_prefix_cache() -> None:
     eng = _Engine(in_flight=True, prefix_caching=True)
     asyncio.run(vla.pause(eng, "keep", True))
     assert eng.calls == [("core", "keep", True)]
+
+
+class _Sampler:
+    """An engine that records the SamplingParams of each request and answers one two-token completion."""
+
+    def __init__(self) -> None:
+        self.params: list[Any] = []
+
+    def update_weight_version(self, v: int) -> None:  # labels tokens itself: no version book
+        return None
+
+    async def generate(self, prompt: dict, params: Any, request_id: str):
+        self.params.append(params)
+        comp = type("C", (), {"token_ids": [4, 5], "logprobs": None, "finish_reason": "stop", "index": 0})()
+        yield type("O", (), {"outputs": [comp]})()
+
+
+@pytest.mark.parametrize(("top_k", "stop"), [(0, None), (5, ["</a>", "\n\n"])])
+def test_top_k_and_stop_strings_reach_sampling_params(top_k, stop) -> None:
+    """`rollout.top_k` and `rollout.stop` become vLLM's; stop strings need detokenized output (vLLM refuses
+    them otherwise), so only a request with stop strings is detokenized."""
+    eng = _Sampler()
+    kw = {
+        "n": 2,
+        "max_tokens": 3,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "version": 0,
+        "top_k": top_k,
+        "stop": stop,
+    }
+    out = asyncio.run(vla.generate(eng, [1, 2], **kw))
+    (p,) = eng.params
+    assert p.top_k == top_k and p.top_p == 0.9 and p.detokenize == bool(stop)
+    assert (p.stop or None) == stop
+    assert out[0]["token_ids"] == [4, 5] and out[0]["finish_reason"] == "stop"

@@ -238,7 +238,12 @@ def step_with_grads(learner: Learner, batch: Batch) -> tuple[dict[str, float], d
 
 
 @pytest.mark.parametrize(
-    "extra", [["algorithm.loss_agg=token_mean"], ["algorithm.loss_agg=seq_mean", "algorithm.kl_coef=0.1"]]
+    "extra",
+    [
+        ["algorithm.loss_agg=token_mean"],
+        ["algorithm.loss_agg=seq_mean", "algorithm.kl_coef=0.1"],
+        ["algorithm.entropy_coef=0.05"],  # the entropy's gradient: autograd (padded_full) = the chunks' own
+    ],
 )
 def test_step_equivalence(tmp_path, extra):
     path = _model_dir(tmp_path)

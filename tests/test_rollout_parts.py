@@ -186,3 +186,17 @@ def test_generator_overlong_punishment_shapes_training_rewards_only():
     assert [s.reward for s in g.samples] == [3.5, 3.5]
     val = asyncio.run(gen.group(Prompt(uid="w", prompt_ids=[1], answer="a"), seed=0, n=1, train=False))
     assert val.samples[0].reward == 4.0 and "overlong_penalty" not in val.samples[0].reward_extras
+
+
+def test_generator_passes_top_k_and_stop_strings():
+    """Training requests carry `rollout.top_k` and `rollout.stop`; a greedy one (validation) keeps the stop
+    strings and drops top-k, as it drops top-p."""
+    fake = FakeReplica()
+    gen = _gen(fake, top_p=0.8, top_k=7, stop=("</a>",))
+    asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="x"), seed=3))
+    asyncio.run(
+        gen.group(Prompt(uid="v", prompt_ids=[1, 2], answer="x"), seed=0, n=1, temperature=0.0, train=False)
+    )
+    train, val = fake.calls[0], fake.calls[-1]
+    assert (train.top_k, train.top_p, train.stop) == (7, 0.8, ["</a>"])
+    assert (val.top_k, val.top_p, val.stop) == (0, 1.0, ["</a>"])

@@ -255,3 +255,53 @@ def test_two_processes_create_the_same_sqlite_store_at_once(tmp_path):
     runs = client.search_runs([exp.experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["run-0", "run-1"]
     assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_artifacts_land_under_run_dir_not_the_working_directory(tmp_path, monkeypatch, caplog):
+    """A run started from a directory that does not last (under `ray job submit --working-dir`, Ray's copy
+    of it) keeps its artifacts under run_dir: MLflow's own default for a new experiment is ./mlruns of the
+    process that creates it. Checked through MLflow's client."""
+    from mlflow.tracking import MlflowClient
+
+    from app.infra.tracking import artifact_root
+
+    root, work = tmp_path / "runs", tmp_path / "job-copy"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    uri = tracking.default_uri(str(root))
+    t = Tracker.start(uri, "exp", "run-art", {}, artifact_root("", uri, root))
+    t.text("hello", "notes/hello.txt")
+    assert t.end("FINISHED")
+    art = MlflowClient(uri).get_run(t.run_id).info.artifact_uri
+    assert Path(art.removeprefix("file://")).is_relative_to(root / "mlartifacts"), art
+    assert (Path(art.removeprefix("file://")) / "notes" / "hello.txt").read_text() == "hello"
+    assert list(work.iterdir()) == []  # nothing in the working directory
+    # an experiment created elsewhere keeps its location (MLflow fixes it at creation): said, not hidden
+    with caplog.at_level(logging.WARNING, logger="app.infra.tracking"):
+        Tracker.start(uri, "exp", "run-art2", {}, str(tmp_path / "elsewhere")).end()
+    assert any("another tracking.experiment" in r.message for r in caplog.records)
+    # tracking.artifact_uri wins; a tracking server keeps its own default
+    assert artifact_root("~/arts", uri, root) == str(Path.home() / "arts")
+    assert artifact_root("s3://bucket/relay", uri, root) == "s3://bucket/relay"
+    assert artifact_root("", "http://127.0.0.1:5000", root) is None
+
+
+def test_reward_curve_draws_validation_at_the_version_it_measured(tmp_path):
+    """fully_async: the validation of version 5 lands (is logged) at step 8; the curve draws it at 5, and its
+    title names the run."""
+    from mlflow.tracking import MlflowClient
+
+    uri = _sqlite(tmp_path)
+    t = Tracker.start(uri, "exp", "run-curve", {})
+    t.metrics({"val/reward": 0.1, "val/version": 0}, 0)
+    for step in range(1, 11):
+        t.metrics({"reward/mean": step / 10}, step)
+    t.metrics({"val/reward": 0.5, "val/version": 5}, 8)
+    t.metrics({"val/reward": 0.9, "val/version": 10}, 10)
+    t.reward_curve(str(tmp_path))
+    assert t.end("FINISHED")
+    series = t.curve_series()
+    assert series["val/reward"] == ([0.0, 5.0, 10.0], [0.1, 0.5, 0.9])
+    assert series["reward/mean"][0] == [float(s) for s in range(1, 11)]
+    assert "reward_curve.png" in {a.path for a in MlflowClient(uri).list_artifacts(t.run_id)}
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0

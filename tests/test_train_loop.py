@@ -111,7 +111,9 @@ def test_off_policy_corrections_weight_stale_tokens(tmp_path):
     assert out["tis"][1]["actor/clip_frac"] == 0.0  # clipped against the trainer's own policy instead
 
 
-def _fsdp_worker(rank: int, port: int, path: str, prompt: list[int], toks: tuple[int, int, int], q) -> None:
+def _fsdp_worker(
+    rank: int, port: int, path: str, prompt: list[int], toks: tuple[int, int, int], extra: list[str], q
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -120,7 +122,9 @@ def _fsdp_worker(rank: int, port: int, path: str, prompt: list[int], toks: tuple
         "gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60)
     )
     try:
-        cfg = load_config(None, ["train.lr=0.01", "train.micro_batch_size=2", "algorithm.kl_coef=0.1"])
+        cfg = load_config(
+            None, ["train.lr=0.01", "train.micro_batch_size=2", "algorithm.kl_coef=0.1", *extra]
+        )
         learner = Learner(cfg, path, torch.device("cpu"))
         before = learner.logprobs_of(prompt, [toks[0]])[0]
         metrics = [learner.step(_batch(toks[0], toks[1], toks[2], prompt, groups=3)) for _ in range(3)]
@@ -162,11 +166,18 @@ def _two_ranks(target, *args) -> list:
     return sorted(results, key=lambda r: r[0])
 
 
-def test_fsdp2_two_ranks_gloo(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    # PPO mini-batches of 2 and 1 groups: the proximal pass and both updates run the same passes on each rank
+    [[], ["algorithm.ppo_mini_batch_size=2", "algorithm.correction=tis"]],
+    ids=["one_update", "mini_batches"],
+)
+def test_fsdp2_two_ranks_gloo(tmp_path, extra):
     path, tok, prompt = _setup(tmp_path)
     toks = (tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1"), tok.eos_token_id)
-    results = _two_ranks(_fsdp_worker, path, prompt, toks)
+    results = _two_ranks(_fsdp_worker, path, prompt, toks, extra)
     (_, b0, a0, m0, full0), (_, b1, a1, m1, full1) = results
+    assert m0["actor/optimizer_steps"] == (2.0 if extra else 1.0)
     assert a0 > b0 + 0.1 and a0 == pytest.approx(a1)  # both ranks see the same updated model
     assert m0["loss/kl"] > 0 and m0 == m1  # metrics are all-reduced
     assert full0 == full1  # every rank gathers the same full tensors

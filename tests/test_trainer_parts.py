@@ -117,3 +117,29 @@ def test_push_policy_per_mode():
     src = SOURCES["fully_async"](cfg, actors)
     assert [s for s in range(1, 10) if src.should_push(s, False)] == [3, 6, 9]
     assert src.should_push(4, True)  # the last step always pushes
+
+
+def test_each_mode_logs_only_the_metrics_that_mean_something_there():
+    """A sync step logs no `async/*` metric and no staleness deciles (all zero there); one_step_off adds the
+    trainer's idle share (generation overlaps training); fully_async adds the deciles and the partial-rollout
+    metrics; dynamic sampling's count only with algorithm.filter_groups."""
+    batch = Batch(
+        groups=[_group("g", [[4, 5, 5], [3]], [1.0, 0.0])],
+        extra={"async/filtered_groups": 0.0},
+        generate_s=1.0,
+    )
+    t = StepTimings(wait_s=1.0, overlap_wait_s=0.5, train_s=3.0, step_s=6.0)
+    logged = {}
+    for mode, source in SOURCES.items():
+        m = step_metrics(STATS, batch, t, None, 6, 6, step=3, families=source.metric_families)
+        logged[mode] = {k for k in m if k.startswith(("async/", "staleness/"))}
+    assert logged["sync"] == {"staleness/mean", "staleness/max"}
+    assert logged["one_step_off"] == logged["sync"] | {"async/trainer_idle_ratio"}
+    assert logged["fully_async"] == logged["one_step_off"] | {
+        "staleness/len_decile_0",
+        "staleness/len_decile_1",
+        "async/partial_ratio",
+        "async/max_version_span",
+    }
+    m = step_metrics(STATS, batch, t, None, 6, 6, step=3, families={"filtered"})
+    assert m["async/filtered_groups"] == 0.0 and "async/trainer_idle_ratio" not in m

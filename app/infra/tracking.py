@@ -3,6 +3,9 @@
 start     before Ray starts: an HTTP tracking URI is probed (a few seconds), the experiment and the run are
           created (a local SQLite store under a file lock: concurrent runs share `run_dir`/mlflow.db, and
           two first runs would otherwise race creating and migrating it). A failure raises, naming the URI.
+          The experiment is created with an explicit artifact location (`artifact_root`: under `run_dir`
+          for a local store): MLflow's default is `./mlruns` of the process that creates it, which under
+          `ray job submit --working-dir` is Ray's temporary copy of the working directory.
 calls     `metrics`, `tags`, `artifact`, `table`, `text`, `reward_curve` only queue the call and return at
           once. One background thread ("relay-tracking") writes them in order. A call that fails for a
           reason that may pass (connection, timeout, 5xx, a locked database) is retried with backoff
@@ -83,6 +86,20 @@ def default_uri(run_dir: str) -> str:
     path = Path(run_dir).expanduser().resolve() / "mlflow.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
+
+
+def artifact_root(artifact_uri: str, tracking_uri: str, run_root: Path) -> str | None:
+    """Where a new experiment keeps its runs' artifacts: `tracking.artifact_uri` where set (a path is made
+    absolute, `~` expanded); for a local store (SQLite, a folder) `<run_dir>/mlartifacts`, beside the store and
+    the checkpoints; None for a tracking server (its own default: proxied artifacts or its
+    `--default-artifact-root`)."""
+    if artifact_uri:
+        if "://" in artifact_uri:
+            return artifact_uri
+        return str(Path(artifact_uri).expanduser().resolve())
+    if urlparse(tracking_uri).scheme in ("http", "https", "databricks"):
+        return None
+    return str(Path(run_root).expanduser().resolve() / "mlartifacts")
 
 
 def http_defaults() -> None:
@@ -329,13 +346,21 @@ class Tracker:
         self._sysmon: Any = None
 
     @classmethod
-    def start(cls, uri: str, experiment: str, run_name: str | None, params: dict[str, Any]) -> Tracker:
-        """Create the MLflow run (synchronously, before Ray starts); raises TrackingError naming the URI."""
+    def start(
+        cls,
+        uri: str,
+        experiment: str,
+        run_name: str | None,
+        params: dict[str, Any],
+        artifact_location: str | None = None,
+    ) -> Tracker:
+        """Create the MLflow run (synchronously, before Ray starts); raises TrackingError naming the URI.
+        `artifact_location` (see `artifact_root`) applies where the experiment is created now."""
         http_defaults()
         check_reachable(uri)
         try:
             with store_lock(uri):
-                run_id = _create_run(uri, experiment, run_name, params)
+                run_id = _create_run(uri, experiment, run_name, params, artifact_location)
         except Exception as e:
             raise TrackingError(
                 f"tracking.uri={uri}: could not create the MLflow run ({type(e).__name__}: {str(e)[:500]}); "
@@ -445,8 +470,29 @@ class Tracker:
             log.warning("MLflow system metrics unavailable: %s", e)
 
     def reward_curve(self, out_dir: str) -> None:
-        """Queue the plot of reward/mean and val/reward against the step, saved as PNG and logged."""
+        """Queue the plot of reward/mean and val/reward against the weight version, saved as PNG and logged."""
         self.writer.submit("reward curve", lambda: self._plot_reward_curve(out_dir))
+
+    def curve_series(self) -> dict[str, tuple[list[float], list[float]]]:
+        """The reward curve's points: `reward/mean` at its step (the step that trained the batch makes version
+        = step), `val/reward` at the version it measured (`val/version`, logged with it: in fully_async a
+        validation runs beside training and lands steps after the version it measured)."""
+        out: dict[str, tuple[list[float], list[float]]] = {}
+
+        def history(key: str) -> list[Any]:
+            return sorted(
+                self.client.get_metric_history(self.run_id, key), key=lambda m: (m.timestamp, m.step)
+            )
+
+        train = sorted(history("reward/mean"), key=lambda m: m.step)
+        if train:
+            out["reward/mean"] = ([float(m.step) for m in train], [m.value for m in train])
+        val, versions = history("val/reward"), history("val/version")
+        at = {(m.timestamp, m.step): m.value for m in versions}  # logged in one call with val/reward
+        points = sorted((at.get((m.timestamp, m.step), float(m.step)), m.value) for m in val)
+        if points:
+            out["val/reward"] = ([x for x, _ in points], [y for _, y in points])
+        return out
 
     def _plot_reward_curve(self, out_dir: str) -> None:
         import matplotlib
@@ -455,11 +501,11 @@ class Tracker:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, style in (("reward/mean", "-"), ("val/reward", "o-")):
-            hist = sorted(self.client.get_metric_history(self.run_id, key), key=lambda m: m.step)
-            if hist:
-                ax.plot([m.step for m in hist], [m.value for m in hist], style, label=key)
-        ax.set_xlabel("step (weight version)")
+        for key, (xs, ys) in self.curve_series().items():
+            ax.plot(xs, ys, "-" if key == "reward/mean" else "o-", label=key)
+        name = self.client.get_run(self.run_id).info.run_name or self.run_id
+        ax.set_title(f"{name}: reward")
+        ax.set_xlabel("weight version (= training step)")
         ax.set_ylabel("reward")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -483,25 +529,32 @@ class Tracker:
         return self.close()
 
 
-def _create_run(uri: str, experiment: str, run_name: str | None, params: dict[str, Any]) -> str:
-    """The experiment (created if missing, also by a concurrent run) and a new run with `params`."""
+def _create_run(
+    uri: str, experiment: str, run_name: str | None, params: dict[str, Any], artifacts: str | None = None
+) -> str:
+    """The experiment (created if missing, also by a concurrent run, with its artifacts at `artifacts`) and a
+    new run with `params`."""
     from mlflow.entities import Param
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
-    if exp is not None:
-        exp_id = exp.experiment_id
-    else:
-        try:
-            exp_id = client.create_experiment(experiment)
-        except MlflowException:  # created meanwhile by another run on the same server
-            exp = client.get_experiment_by_name(experiment)
-            if exp is None:
-                raise
-            exp_id = exp.experiment_id
-    run = client.create_run(exp_id, run_name=run_name or None)
+    if exp is None:
+        with suppress(MlflowException):  # created meanwhile by another run on the same server
+            client.create_experiment(experiment, artifact_location=artifacts)
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            raise MlflowException(f"experiment {experiment!r} could not be created")
+    elif artifacts and exp.artifact_location.rstrip("/") != artifacts.rstrip("/"):
+        log.warning(
+            "MLflow experiment %r keeps its artifacts at %s (fixed when it was created), not %s: give this run "
+            "another tracking.experiment to have them there",
+            experiment,
+            exp.artifact_location,
+            artifacts,
+        )
+    run = client.create_run(exp.experiment_id, run_name=run_name or None)
     items = [Param(k, str(v)[:6000]) for k, v in params.items()]
     for i in range(0, len(items), 100):
         client.log_batch(run.info.run_id, params=items[i : i + 100])

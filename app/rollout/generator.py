@@ -58,6 +58,8 @@ class GenSettings:
     max_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     partial: str = "keep"
     request_timeout_s: float = 300.0
@@ -76,6 +78,8 @@ class GenSettings:
             max_tokens=r.max_tokens,
             temperature=r.temperature,
             top_p=r.top_p,
+            top_k=r.top_k,
+            stop=tuple(r.stop),
             ignore_eos=r.ignore_eos,
             partial=r.partial,
             request_timeout_s=r.request_timeout_s,
@@ -136,6 +140,8 @@ class GroupGenerator:
             max_tokens=admission.response_budget(self.s.lengths, prompt.uid, self.s.seed, self.s.max_tokens),
             temperature=temp,
             top_p=self.s.top_p if temp > 0 else 1.0,
+            top_k=self.s.top_k if temp > 0 else 0,
+            stop=list(self.s.stop),
             seed=seed,
             ignore_eos=self.s.ignore_eos,
         )

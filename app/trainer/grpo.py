@@ -260,6 +260,24 @@ def _chunk_grad(
     return ((onehot - torch.exp(logits - lse.unsqueeze(-1))) * grad_logp.unsqueeze(-1)).to(dtype)
 
 
+def _chunk_grad_ent(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    targets: torch.Tensor,
+    grad_logp: torch.Tensor,
+    ent: torch.Tensor,
+    grad_ent: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`_chunk_grad` plus the entropy's share: ``dH / d logits_j = -p_j (log p_j + H)`` times ``grad_ent``."""
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (vocab == targets.unsqueeze(-1)).to(logits.dtype)
+    logp_all = logits - lse.unsqueeze(-1)
+    p = torch.exp(logp_all)
+    g = (onehot - p) * grad_logp.unsqueeze(-1) - p * (logp_all + ent.unsqueeze(-1)) * grad_ent.unsqueeze(-1)
+    return g.to(dtype)
+
+
 _COMPILED: dict[str, Any] = {}
 
 
@@ -268,16 +286,18 @@ def _fused(name: str, x: torch.Tensor) -> Any:
     one per operation (each a pass over ``[c, V]`` float32). Rows vary (the last chunk), the vocabulary not."""
     fn = _COMPILED.get(name)
     if fn is None:
-        fn = _COMPILED[name] = torch.compile({"stats": _chunk_stats, "grad": _chunk_grad}[name])
+        fns = {"stats": _chunk_stats, "grad": _chunk_grad, "grad_ent": _chunk_grad_ent}
+        fn = _COMPILED[name] = torch.compile(fns[name])
     torch._dynamo.maybe_mark_dynamic(x, 0)
     return fn
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Target log-probs of ``hidden @ weight.T`` in chunks of rows; backward recomputes each chunk's logits."""
+    """Target log-probs of ``hidden @ weight.T`` in chunks of rows; backward recomputes each chunk's logits.
+    The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, with_entropy, fused):
+    def forward(ctx, hidden, weight, targets, chunk, with_entropy, fused, entropy_grad):
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
@@ -290,15 +310,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse[s:e], logp[s:e] = c_lse, c_logp
             if c_ent is not None:
                 ent[s:e] = c_ent
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk, ctx.fused = chunk, fused
-        ctx.mark_non_differentiable(ent)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.chunk, ctx.fused, ctx.entropy_grad = chunk, fused, bool(entropy_grad and with_entropy)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an output the loss did not use gets None: no work for it
         return logp, ent
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_ent):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        with_ent = ctx.entropy_grad and grad_ent is not None
         grad_h = torch.empty_like(hidden) if need_h else None
         # the weight's gradient sums over every chunk: accumulate in float32 whatever the compute dtype
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
@@ -306,15 +331,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
             e = min(hidden.shape[0], s + ctx.chunk)
             h = hidden[s:e]
             logits = _head_logits(h, weight)
-            grad = _fused("grad", logits) if ctx.fused else _chunk_grad
-            g = grad(logits, lse[s:e], targets[s:e], grad_logp[s:e], hidden.dtype)
+            if with_ent:
+                grad = _fused("grad_ent", logits) if ctx.fused else _chunk_grad_ent
+                g = grad(
+                    logits, lse[s:e], targets[s:e], grad_logp[s:e], ent[s:e], grad_ent[s:e], hidden.dtype
+                )
+            else:
+                grad = _fused("grad", logits) if ctx.fused else _chunk_grad
+                g = grad(logits, lse[s:e], targets[s:e], grad_logp[s:e], hidden.dtype)
             if grad_h is not None:
                 grad_h[s:e] = g @ weight
             if grad_w is not None:
                 grad_w.add_(_mm_f32(g.t(), h))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -324,6 +355,7 @@ def chunked_token_logprobs(
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
     fused: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` under ``softmax(hidden @ weight.T)``, without the ``[N, V]`` float32 logits.
 
@@ -333,12 +365,17 @@ def chunked_token_logprobs(
     same chunk; at most one chunk of logits is alive. Backward recomputes each chunk's logits and returns
     gradients to ``hidden`` and ``weight`` (a tied input embedding gets its share through autograd).
     ``chunk_tokens <= 0`` computes all rows at once (the reference: :func:`token_logprobs` of the full
-    logits). Returns float32 ``(logprobs [N], entropy [N] or None)``; the entropy carries no gradient.
-    ``fused`` runs each chunk's statistics and its gradient through `torch.compile`d kernels (same math).
+    logits). Returns float32 ``(logprobs [N], entropy [N] or None)``; the entropy carries a gradient only with
+    ``entropy_grad`` (an entropy bonus). ``fused`` runs each chunk's statistics and its gradient through
+    `torch.compile`d kernels (same math).
     """
     if chunk_tokens <= 0:
         logits = _head_logits(hidden, weight)
-        ent = entropy_from_logits(logits).detach() if with_entropy else None
+        ent = None
+        if with_entropy:
+            ent = entropy_from_logits(logits) if entropy_grad else entropy_from_logits(logits.detach())
         return token_logprobs(logits, targets), ent
-    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets.long(), int(chunk_tokens), with_entropy, fused)
+    logp, ent = _ChunkedLogprobs.apply(
+        hidden, weight, targets.long(), int(chunk_tokens), with_entropy, fused, entropy_grad
+    )
     return logp, (ent if with_entropy else None)

@@ -22,6 +22,7 @@ from app.records import Batch, Group
 from app.rollout.episode import env_metrics
 from app.trainer import grpo
 from app.trainer.losses import LOSSES, LossInputs
+from app.trainer.minibatch import merge_updates, mini_batches
 from app.trainer.packing import collate_packed, packed_model_kwargs, plan_micro_batches, to_device
 from app.trainer.push_gather import gather_sharded
 
@@ -214,6 +215,7 @@ def _scored_forward(
     score_targets: torch.Tensor,
     chunk_tokens: int,
     with_entropy: bool,
+    entropy_grad: bool = False,
     **model_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Base model forward, then the output head on the scored positions only, chunked (no full logits).
@@ -227,18 +229,26 @@ def _scored_forward(
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output embedding without bias")
     fused = getattr(model, "relay_compiled", False)
-    return grpo.chunked_token_logprobs(h, head.weight, score_targets, chunk_tokens, with_entropy, fused)
+    return grpo.chunked_token_logprobs(
+        h, head.weight, score_targets, chunk_tokens, with_entropy, fused, entropy_grad
+    )
 
 
 def scored_logprobs(
-    model: torch.nn.Module, mb: dict[str, Any], chunk_tokens: int, with_entropy: bool = False
+    model: torch.nn.Module,
+    mb: dict[str, Any],
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token log-probs (and entropy) of a micro-batch's response tokens, laid out on its grid (`mb["mask"]`'s
-    shape; 0 elsewhere). Works on padded (`collate`) and packed (`app.trainer.packing.collate_packed`) micro-batches,
-    on FSDP2 models from `build_fsdp_model` and on plain HF models."""
+    """Token log-probs (and entropy, with a gradient only with `entropy_grad`) of a micro-batch's response
+    tokens, laid out on its grid (`mb["mask"]`'s shape; 0 elsewhere). Works on padded (`collate`) and packed
+    (`app.trainer.packing.collate_packed`) micro-batches, on FSDP2 models from `build_fsdp_model` and on plain
+    HF models."""
     kw = packed_model_kwargs(mb) if "packed" in mb else {"attention_mask": mb["attention_mask"]}
     fwd = getattr(model, "relay_scored_logprobs", None) or types.MethodType(_scored_forward, model)
-    logp, ent = fwd(mb["input_ids"], mb["score_idx"], mb["score_targets"], chunk_tokens, with_entropy, **kw)
+    ids, idx, tgt = mb["input_ids"], mb["score_idx"], mb["score_targets"]
+    logp, ent = fwd(ids, idx, tgt, chunk_tokens, with_entropy, entropy_grad, **kw)
     mask = mb["mask"]
 
     def grid(v: torch.Tensor) -> torch.Tensor:
@@ -261,7 +271,24 @@ def row_values(mb: dict[str, Any], grid: torch.Tensor, i: int, row: Row) -> list
 # ---------------------------------------------------------------- the learner
 
 # token-weighted sums a step accumulates over micro-batches (then divided by the token count)
-_SUMS = ("loss", "kl", "entropy", "clipped", "tokens", "mismatch", "is_weight")
+_SUMS = ("loss", "kl", "entropy", "clipped", "tokens", "mismatch", "is_weight", "ppo_kl")
+
+
+@dataclass
+class _Update:
+    """One optimizer step's micro-batches on this rank, on the device. `n_micro` passes run on every rank;
+    past its own micro-batches a rank runs zero-weight passes on `filler`. `tokens` and `seqs` count the
+    whole update's (every rank's) loss tokens and sequences: the loss's global denominators."""
+
+    mbs: list[dict[str, Any]]
+    n_micro: int
+    filler: dict[str, Any] | None
+    tokens: float
+    seqs: float
+
+    def passes(self) -> list[tuple[dict[str, Any], float]]:
+        """(micro-batch, weight) of each pass, in order."""
+        return [(self.mbs[k], 1.0) if k < len(self.mbs) else (self.filler, 0.0) for k in range(self.n_micro)]
 
 
 class Learner:
@@ -315,43 +342,81 @@ class Learner:
         self.loss_fn = resolve("algorithm.correction", cfg.algorithm.correction, LOSSES)
 
     def step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch` (collective: every rank calls it with the same batch).
+        """Train on `batch` (collective: every rank calls it with the same batch): one optimizer step per
+        mini-batch of `algorithm.ppo_mini_batch_size` groups, `algorithm.ppo_epochs` times over (one step by
+        default; app/trainer/minibatch.py). With several, the trainer's log-probs of the whole batch are
+        computed first, without gradient, and every update's loss clips against them
+        (`LossInputs.proximal_logprobs`); the behaviour log-probs keep their role in the off-policy
+        corrections. Returns the step's metrics (`actor/optimizer_steps`: the optimizer steps taken)."""
+        a = self.cfg.algorithm
+        ups = [self._layout(part) for part in mini_batches(batch, a.ppo_mini_batch_size)]
+        several = len(ups) * a.ppo_epochs > 1
+        if several:
+            self._proximal(ups)
+        order = [u for _ in range(a.ppo_epochs) for u in ups]
+        out = merge_updates(
+            [self._update(u) for u in order], [u.tokens for u in order], sum(u.tokens for u in ups)
+        )
+        if not several:  # the proximal policy is the current one: nothing to measure
+            out.pop("actor/ppo_kl", None)
+        if not (self.cfg.train.log_entropy or a.entropy_coef > 0):  # not computed
+            out.pop("actor/entropy", None)
+        return out
 
-        Every rank runs the same number of forward/backward passes (FSDP2 collectives): a rank with fewer
-        micro-batches runs zero-weight passes on a copy of one row. Micro-batches are laid out and copied to
-        the device up front; metric sums stay on the device until the step ends (no host synchronisation
-        inside the micro-batch loop).
-        """
+    def _layout(self, batch: Batch) -> _Update:
+        """One update's micro-batches on this rank, laid out and copied to the device up front."""
         rows = flatten_batch(batch, self.cfg.algorithm.normalize_adv_std)
-        total_tokens = float(sum(r.loss_tokens for r in rows))
         parts, n_micro = self._plan(rows)
         mbs = [self.collate(p) for p in parts]
+        filler = None
         if len(mbs) < n_micro:
             pool = [r for p in parts for r in p] or rows
             filler = self.collate([min(pool, key=lambda r: len(r.prompt_ids) + len(r.response_ids))])
+        tokens = float(sum(r.loss_tokens for r in rows))
+        return _Update(mbs=mbs, n_micro=n_micro, filler=filler, tokens=tokens, seqs=float(len(rows)))
+
+    def _proximal(self, ups: list[_Update]) -> None:
+        """The trainer's own log-probs of every micro-batch before the batch's first update (`mb["prox"]`),
+        in the updates' mode and without gradient. Every rank runs as many passes as in an update (FSDP2)."""
+        self.model.train()
+        with torch.no_grad():
+            for u in ups:
+                for mb, _ in u.passes():
+                    mb["prox"] = self.logprobs(self.model, mb)[0]
+        if self.gather_once:  # without a backward the layers stay gathered: free them before the updates
+            _reshard(self.model)
+
+    def _update(self, u: _Update) -> dict[str, float]:
+        """One optimizer step on an update's micro-batches (collective).
+
+        Every rank runs the same number of forward/backward passes (FSDP2 collectives): a rank with fewer
+        micro-batches runs zero-weight passes on a copy of one row. Metric sums stay on the device until the
+        step ends (no host synchronisation inside the micro-batch loop).
+        """
         self.model.train()
         sums = torch.zeros(len(_SUMS) + 1, dtype=torch.float64, device=self.device)  # _SUMS, is-weight max
-        for k in range(n_micro):
-            mb, weight = (mbs[k], 1.0) if k < len(mbs) else (filler, 0.0)
+        for k, (mb, weight) in enumerate(u.passes()):
             if self.gather_once:  # reduce-scatter and reshard only after the step's last backward
-                self.model.set_requires_gradient_sync(k == n_micro - 1)
-                self.model.set_reshard_after_backward(k == n_micro - 1)
-            got = self._micro_step(mb, weight, total_tokens, float(len(rows)))
+                self.model.set_requires_gradient_sync(k == u.n_micro - 1)
+                self.model.set_reshard_after_backward(k == u.n_micro - 1)
+            got = self._micro_step(mb, weight, u.tokens, u.seqs)
             sums[:-1] += got[:-1]
             sums[-1] = torch.maximum(sums[-1], got[-1])
         grad_norm = self._optimizer_step()
-        return self._step_metrics(self._reduce(sums), grad_norm, total_tokens)
+        return self._step_metrics(self._reduce(sums), grad_norm, u.tokens)
 
     def _plan(self, rows: list[Row]) -> tuple[list[list[Row]], int]:
         """This rank's micro-batches and the number of passes every rank runs."""
         t = self.cfg.train
         if self.packed:
             lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
-            plan = plan_micro_batches(lengths, self.world, t.micro_batch_tokens)
+            plan = plan_micro_batches(lengths, self.world, t.micro_batch_tokens, t.micro_batch_size)
             n_micro = max(1, max(len(p) for p in plan))
             return [[rows[i] for i in mb] for mb in plan[self.rank]], n_micro
-        mine, mbs = rows[self.rank :: self.world], t.micro_batch_size
-        n_micro = max(1, math.ceil(math.ceil(len(rows) / self.world) / mbs))
+        mine = rows[self.rank :: self.world]
+        most = math.ceil(len(rows) / self.world)  # the largest rank's share: the same on every rank
+        mbs = t.micro_batch_size or max(1, most)  # 0: a rank's whole share in one pass
+        n_micro = max(1, math.ceil(most / mbs))
         return [
             mine[k * mbs : (k + 1) * mbs] for k in range(n_micro) if mine[k * mbs : (k + 1) * mbs]
         ], n_micro
@@ -363,15 +428,20 @@ class Learner:
         return collate(rows, self.pad_id, self.device)
 
     def logprobs(
-        self, model: torch.nn.Module, mb: dict[str, Any], with_entropy: bool = False
+        self,
+        model: torch.nn.Module,
+        mb: dict[str, Any],
+        with_entropy: bool = False,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token log-probs (and entropy, without gradient) on the micro-batch's grid."""
+        """Token log-probs (and entropy: with a gradient only with `entropy_grad`) on the micro-batch's grid."""
         if not self.reference_path:
-            return scored_logprobs(model, mb, self.cfg.train.logprob_chunk_tokens, with_entropy)
+            chunk = self.cfg.train.logprob_chunk_tokens
+            return scored_logprobs(model, mb, chunk, with_entropy, entropy_grad)
         logp, logits = response_logprobs(model, mb)
         ent = None
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = grpo.entropy_from_logits(logits)
         return logp, ent
 
@@ -381,27 +451,36 @@ class Learner:
         """Forward and backward of one micro-batch; returns its metric sums (see _SUMS) and is-weight max,
         as a device tensor."""
         a = self.cfg.algorithm
-        logp, ent = self.logprobs(self.model, mb, with_entropy=self.cfg.train.log_entropy)
+        bonus = a.entropy_coef > 0
+        logp, ent = self.logprobs(self.model, mb, self.cfg.train.log_entropy or bonus, entropy_grad=bonus)
+        prox = mb.get("prox")
         out = self.loss_fn(
-            LossInputs(logprobs=logp, behaviour_logprobs=mb["old"], advantages=mb["adv"], mask=mb["mask"]), a
+            LossInputs(
+                logprobs=logp,
+                behaviour_logprobs=mb["old"],
+                advantages=mb["adv"],
+                mask=mb["mask"],
+                proximal_logprobs=prox,
+            ),
+            a,
         )
-        kl_tok = torch.zeros_like(out.loss_tok)
+        loss_tok = out.loss_tok
         if a.kl_coef > 0:
             kl_tok = grpo.kl_penalty(logp, self._ref_logprobs(mb), a.kl_kind, a.max_log_ratio) * mb["mask"]
-        loss = grpo.aggregate(
-            out.loss_tok + a.kl_coef * kl_tok,
-            mb["mask"],
-            a.loss_agg,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-        )
+            loss_tok = loss_tok + a.kl_coef * kl_tok
+        else:
+            kl_tok = torch.zeros_like(out.loss_tok)
+        if bonus:
+            loss_tok = loss_tok - a.entropy_coef * ent * mb["mask"]
+        loss = grpo.aggregate(loss_tok, mb["mask"], a.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
         # FSDP averages gradients over ranks; the denominators above are global, so scale back up
         (loss * self.world * weight).backward()
         with torch.no_grad():
             m = mb["mask"] * weight
-            ent = torch.zeros_like(m) if ent is None else ent
+            ent = torch.zeros_like(m) if ent is None else ent.detach()
+            drift = torch.zeros_like(m) if prox is None else prox - logp.detach()
             per_tok = (out.loss_tok, kl_tok, ent, out.clipped.float(), torch.ones_like(m))
-            per_tok += ((logp - mb["old"]).abs(), out.is_weight)
+            per_tok += ((logp - mb["old"]).abs(), out.is_weight, drift)
             vals = torch.stack([(x * m).sum() for x in per_tok])
             w_max = torch.where(m > 0, out.is_weight, torch.zeros_like(m)).max()  # weights are >= 0
             return torch.cat([vals, w_max[None]]).double()
@@ -441,7 +520,10 @@ class Learner:
     def _step_metrics(self, sums: torch.Tensor, grad_norm: float, total_tokens: float) -> dict[str, float]:
         s = dict(zip(_SUMS, sums.tolist(), strict=False))
         tok = max(1.0, s["tokens"])
+        coef = self.cfg.algorithm.entropy_coef
+        bonus = {"loss/entropy_bonus": -coef * s["entropy"] / tok} if coef > 0 else {}
         return {
+            **bonus,
             "loss/policy": s["loss"] / tok,
             "loss/kl": s["kl"] / tok,
             "actor/entropy": s["entropy"] / tok,
@@ -450,6 +532,7 @@ class Learner:
             "actor/logprob_mismatch": s["mismatch"] / tok,
             "actor/is_weight_mean": s["is_weight"] / tok,
             "actor/is_weight_max": float(sums[-1]),
+            "actor/ppo_kl": s["ppo_kl"] / tok,
             "actor/lr": self.sched.get_last_lr()[0],
             "train/skipped_steps": 0.0 if math.isfinite(grad_norm) else 1.0,
             "train/tokens": total_tokens,
@@ -516,7 +599,8 @@ class Learner:
         return row_values(mb, logp, 0, row)
 
     def save_hf(self, path: str, tokenizer_path: str) -> None:
-        """Full HF checkpoint (model + tokenizer) that vLLM can load; collective, rank 0 writes."""
+        """Full HF checkpoint (model + tokenizer) that vLLM can load, in `model.dtype` (the replicas' dtype;
+        the trainer keeps float32 master weights); collective, rank 0 writes."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers import AutoTokenizer
 
@@ -529,8 +613,9 @@ class Learner:
         if self.rank == 0:
             from transformers import AutoModelForCausalLM
 
-            cfg_model = AutoModelForCausalLM.from_pretrained(tokenizer_path, dtype=torch.float32)
-            cfg_model.load_state_dict({param_name(k): v for k, v in sd.items()})
+            dtype = getattr(torch, self.cfg.model.dtype)
+            cfg_model = AutoModelForCausalLM.from_pretrained(tokenizer_path, dtype=dtype)
+            cfg_model.load_state_dict({param_name(k): v.to(dtype) for k, v in sd.items()})
             cfg_model.save_pretrained(path, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
 

@@ -25,6 +25,9 @@ class LossInputs:
     behaviour_logprobs: torch.Tensor  # the sampling policy's (from the rollout)
     advantages: torch.Tensor
     mask: torch.Tensor
+    # the trainer's own log-probs at the start of the step, when a batch takes several optimizer steps
+    # (`algorithm.ppo_mini_batch_size`, `ppo_epochs`); None: one step, the current policy is the step's start
+    proximal_logprobs: torch.Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -40,7 +43,8 @@ LossFn = Callable[[LossInputs, Any], LossOutputs]
 
 
 def ppo(inp: LossInputs, a: Any) -> LossOutputs:
-    """`none`: PPO's clipped surrogate against the behaviour log-probs (no off-policy correction)."""
+    """`none`: PPO's clipped surrogate against the behaviour log-probs (no off-policy correction; with several
+    optimizer steps per batch the ratio to the behaviour policy also measures how far earlier steps moved)."""
     loss_tok, clipped = grpo.policy_loss(
         inp.logprobs,
         inp.behaviour_logprobs,
@@ -55,9 +59,9 @@ def ppo(inp: LossInputs, a: Any) -> LossOutputs:
 
 
 def _decoupled(inp: LossInputs, a: Any, cap: float | None) -> LossOutputs:
-    # one optimizer step per batch: the proximal policy is the trainer's current one, so its log-probs are
-    # this forward's, detached (no extra forward pass)
-    prox = inp.logprobs.detach()
+    # the proximal policy is the trainer's at the step's start: with one optimizer step per batch that is the
+    # current one, so its log-probs are this forward's, detached (no extra forward pass)
+    prox = inp.logprobs.detach() if inp.proximal_logprobs is None else inp.proximal_logprobs.detach()
     loss_tok, clipped = grpo.decoupled_policy_loss(
         inp.logprobs,
         prox,

@@ -51,13 +51,16 @@ class PackedSeqs:
 # ---------------------------------------------------------------- planning
 
 
-def plan_micro_batches(lengths: list[int], world: int, budget: int) -> list[list[list[int]]]:
+def plan_micro_batches(
+    lengths: list[int], world: int, budget: int, max_rows: int = 0
+) -> list[list[list[int]]]:
     """Row indices per rank, per micro-batch: ``plan[rank][k]`` is rank ``rank``'s k-th micro-batch.
 
     Rows go to ranks longest first, each to the rank with the fewest tokens so far (balanced work), then
-    each rank's rows are packed first-fit (longest first) into micro-batches of at most ``budget`` tokens;
-    a row longer than the budget gets a micro-batch of its own. Deterministic: every rank computes the same
-    plan from the same lengths, so the ranks agree on how many passes each runs.
+    each rank's rows are packed first-fit (longest first) into micro-batches of at most ``budget`` tokens
+    and, with ``max_rows > 0``, at most ``max_rows`` rows (`train.micro_batch_size`); a row longer than the
+    budget gets a micro-batch of its own. Deterministic: every rank computes the same plan from the same
+    lengths, so the ranks agree on how many passes each runs.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     per_rank: list[list[int]] = [[] for _ in range(world)]
@@ -71,7 +74,14 @@ def plan_micro_batches(lengths: list[int], world: int, budget: int) -> list[list
         bins: list[list[int]] = []
         room: list[int] = []
         for i in mine:
-            k = next((b for b, free in enumerate(room) if free >= lengths[i]), None)
+            k = next(
+                (
+                    b
+                    for b, free in enumerate(room)
+                    if free >= lengths[i] and (max_rows <= 0 or len(bins[b]) < max_rows)
+                ),
+                None,
+            )
             if k is None:
                 bins.append([i])
                 room.append(budget - lengths[i])

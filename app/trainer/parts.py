@@ -9,6 +9,7 @@ from typing import Any
 from app.trainer.accounting import TrainedLog
 from app.trainer.comm import Actors
 from app.trainer.monitor import Monitor
+from app.trainer.rollout_log import RolloutLog
 from app.trainer.sources import BatchSource
 from app.trainer.validation import Validator
 
@@ -25,6 +26,7 @@ class Trainer:
     model_path: str
     monitor: Monitor
     accounting: TrainedLog
+    rollouts: RolloutLog
     prom: Any  # app.infra.metrics.Metrics
     tracker: Any = None  # rank 0: app.infra.tracking.Tracker
     validator: Validator | None = None  # rank 0

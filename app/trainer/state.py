@@ -71,6 +71,7 @@ def restore_or_start(t: Trainer, resume: str | None) -> RunState:
         return _restore(t, Path(path), restart)
     if restart and t.lead:  # restarted before any checkpoint: start the stream afresh
         t.accounting.truncate(0)
+        t.rollouts.truncate(0)
         t.source.restore(PipelineSnapshot())
         log.warning("restarted without a checkpoint: training starts over from version 0")
     return RunState()
@@ -91,6 +92,7 @@ def _restore(t: Trainer, ckpt_dir: Path, restart: bool) -> RunState:
         return st
     if restart:  # same run: forget what the failed workers trained after the checkpoint
         dropped = t.accounting.truncate(st.step)
+        t.rollouts.truncate(st.step)
         log.warning(
             "restored step %d from %s; %d trained-group records after it dropped", st.step, ckpt_dir, dropped
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,16 @@ class StepTimings:
     train_s: float
     step_s: float  # the whole step: wait, train, push
 
+
+# Metrics that mean something only in some runs, by family: `overlap` where generation overlaps training
+# (one_step_off, fully_async), `partial` where a push can land mid-generation (fully_async: staleness varies
+# within a batch and groups span versions), `filtered` with dynamic sampling (algorithm.filter_groups).
+# A mode declares its families (`BatchSource.metric_families`); a sync run logs none of them (all zero there).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "overlap": ("async/trainer_idle_ratio",),
+    "partial": ("staleness/len_decile_", "async/partial_ratio", "async/max_version_span"),
+    "filtered": ("async/filtered_groups",),
+}
 
 # metric -> Prometheus gauge (the dashboard's view of the last step)
 PROMETHEUS = {
@@ -44,11 +54,13 @@ def step_metrics(
     pushed: int,
     step: int,
     between: Sequence[PushStats] = (),
+    families: Collection[str] | None = None,
 ) -> dict[str, float]:
     """Metrics of step `step` (1-based) that trained `batch` into weights `version` (`pushed`: the replicas').
 
     Staleness is counted against `version - 1`, the weights the batch was trained with. `between`: the pushes
     made while the step waited for its batch (to a replica that joined): their join times count here too.
+    `families`: the optional metric families (FAMILIES) this run logs; None: all of them.
     """
     idle = t.wait_s + t.overlap_wait_s
     m: dict[str, Any] = {**stats, **batch_metrics(batch), **staleness(batch, version - 1), **batch.extra}
@@ -70,6 +82,9 @@ def step_metrics(
     joins = [x["join_s"] for p in between for x in p.extra.values() if "join_s" in x]
     if joins and step > 1:
         m["rollout/join_s"] = max([*joins, m.get("rollout/join_s", 0.0)])
+    if families is not None:
+        off = tuple(p for name, prefixes in FAMILIES.items() if name not in families for p in prefixes)
+        m = {k: v for k, v in m.items() if not k.startswith(off)} if off else m
     return m
 
 

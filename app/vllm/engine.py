@@ -213,9 +213,13 @@ async def generate(
     version: int,
     seed: int | None = None,
     ignore_eos: bool = False,
+    top_k: int = 0,
+    stop: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Token-in/token-out sampling. Each sample: token_ids, logprobs (of the sampled tokens), finish_reason,
-    versions (one per token: native per-token version spans where vLLM has them, else the replica's)."""
+    versions (one per token: native per-token version spans where vLLM has them, else the replica's).
+    `top_k` 0 is off; `stop` strings end a response (vLLM checks them on the detokenized text, so only a
+    request with stop strings is detokenized; the tokens that produced the string stay in the sample)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -226,10 +230,12 @@ async def generate(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
+        top_k=top_k,
+        stop=list(stop) if stop else None,
         logprobs=0,
         seed=seed,
         output_kind=RequestOutputKind.FINAL_ONLY,
-        detokenize=False,
+        detokenize=bool(stop),
         ignore_eos=ignore_eos,
     )
     final, request_id, book = None, uuid.uuid4().hex, _book(engine)

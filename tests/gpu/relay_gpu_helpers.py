@@ -233,10 +233,15 @@ def train_rank(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str, 
             "sharded_param_dtype": str(next(learner.model.parameters()).dtype),
         }
         if rank == 0:
+            from safetensors import safe_open
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
+            # the export is in model.dtype (bf16 here): compare with the float32 master weights cast to it
+            dt = getattr(torch, learner.cfg.model.dtype)
+            with safe_open(str(Path(ckpt_dir) / "model.safetensors"), "pt") as f:
+                res["ckpt_dtype"] = str(f.get_tensor(next(iter(f.keys()))).dtype)
             loaded = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).state_dict()
-            ours = {param_name(k): v for k, v in full.items()}
+            ours = {param_name(k): v.to(dt).float() for k, v in full.items()}
             res["ckpt_tensors"] = len(ours)
             res["ckpt_missing"] = sorted(set(ours) - set(loaded))
             res["ckpt_unequal"] = sorted(

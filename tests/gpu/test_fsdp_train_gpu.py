@@ -45,5 +45,6 @@ def test_fsdp2_grpo_steps_and_checkpoint(tmp_path):
     # the checkpoint: every tensor present and bit-equal after from_pretrained, weights moved from init
     assert r0["ckpt_tensors"] > 0 and not r0["ckpt_missing"], r0["ckpt_missing"]
     assert not r0["ckpt_unequal"], r0["ckpt_unequal"]
+    assert r0["ckpt_dtype"] == "torch.bfloat16"  # exported in model.dtype, not the float32 master weights
     assert r0["changed_vs_init"] > 0
     assert r0["tokenizer_vocab"] > 0

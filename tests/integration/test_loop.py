@@ -90,9 +90,14 @@ def check_tracked_run(res: dict, initial_model: Path, mode: str) -> None:
     for key in REQUIRED:
         assert client.get_metric_history(res["run_id"], key), f"metric {key} missing"
     artifacts = {a.path for a in client.list_artifacts(res["run_id"])}
-    assert {"config.yaml", "final_checkpoint", "samples", "reward_curve.png"} <= artifacts
+    assert {"config.yaml", "final", "samples", "reward_curve.png", "rollouts.jsonl"} <= artifacts
     assert client.get_metric_history(res["run_id"], "system/cpu_utilization_percentage")
     final = Path(res["final_checkpoint"])
+    # artifacts under the run folder's root, beside the store (not the working directory's ./mlruns)
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(final.parent.parent), run.info
+    rollouts = [json.loads(x) for x in (final.parent / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and {r["step"] for r in rollouts} <= set(range(1, res["steps"] + 1))
+    assert all(r["prompt"] and isinstance(r["reward"], float) and r["versions"] for r in rollouts)
     assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
     w0, w1 = load_file(initial_model / "model.safetensors"), load_file(final / "model.safetensors")
     assert set(w0) == set(w1)

@@ -20,6 +20,9 @@ from app.trainer.validation import Validator
 
 
 class BatchSource(Protocol):
+    # the optional metric families (app/trainer/step_metrics.py FAMILIES) that mean something in this mode
+    metric_families: frozenset[str]
+
     def start(self) -> None: ...
 
     def next_batch(self, version: int, more: bool) -> Batch:
@@ -50,6 +53,8 @@ class BatchSource(Protocol):
 class RolloutSource:
     """What every mode shares: batches come from the rollouter actor; every step pushes; validation runs
     on the replicas every `algorithm.val_every` steps and at the last, blocking the step."""
+
+    metric_families: frozenset[str] = frozenset()  # sync: nothing overlaps, no push lands mid-generation
 
     def __init__(self, cfg: Any, actors: Actors) -> None:
         self.cfg, self.actors = cfg, actors

@@ -9,6 +9,8 @@ from app.trainer.validation import Validator
 
 
 class FullyAsyncSource(RolloutSource):
+    metric_families = frozenset({"overlap", "partial"})
+
     def start(self) -> None:
         import ray
 

@@ -12,6 +12,8 @@ from app.trainer.sources.base import RolloutSource
 
 
 class OneStepOffSource(RolloutSource):
+    metric_families = frozenset({"overlap"})  # generation overlaps training; every token exactly 1 old
+
     def __init__(self, cfg: Any, actors: Actors) -> None:
         super().__init__(cfg, actors)
         self.pending: Any = None  # the generation of the next batch, started before this one trains
