@@ -22,7 +22,9 @@ def _run(tmp_path: Path, *overrides: str) -> Path:
     """A run directory as training leaves it: its resolved config.yaml and identity."""
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
-    cfg = load_config(None, ["tracking.run_name=r1", "train.resume=/somewhere", *overrides])
+    cfg = load_config(
+        None, ["tracking.run_name=r1", "train.resume=/x", "ray.address=10.0.0.9:6379", *overrides]
+    )
     (run / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (run / "run_identity.json").write_text("{}")
     return run
@@ -33,7 +35,8 @@ def test_a_runs_settings_come_with_its_weights(tmp_path):
     cfg = command.load(None, [f"eval.checkpoint={run}", "eval.n=2"])
     assert (cfg.reward.fn, cfg.rollout.max_tokens, cfg.model.dtype) == ("exact_match", 6, "bfloat16")
     assert cfg.eval.n == 2 and cfg.eval.checkpoint == str(run)
-    assert cfg.tracking.run_name == "" and cfg.train.resume == ""  # the run's own, not the evaluation's
+    # the run's own, not the evaluation's
+    assert cfg.tracking.run_name == "" and cfg.train.resume == "" and cfg.ray.address == ""
     # an override wins over the run's settings; --config replaces them
     assert command.load(None, [f"eval.checkpoint={run}", "rollout.max_tokens=3"]).rollout.max_tokens == 3
     assert command.load("quick", [f"eval.checkpoint={run}"]).reward.fn == "auto"
@@ -59,6 +62,9 @@ def test_the_evaluation_has_its_own_names_and_reads_every_prompt(tmp_path):
     assert out.data.val == out.data.train == "/d/test.jsonl" and out.data.val_size == 0
     assert out.ray.name == "relay-eval" and out.tracking.run_name.startswith("eval-")
     assert out.model.path == str(tmp_path / "final")
+    # nothing trains: the start-up checks count no trainer, reference workers or NCCL weight group
+    assert out.train.worker_cpus == 0 and not out.train.use_gpu and out.ref.workers == 0
+    assert (out.sync.transport, out.sync.backend) == ("broadcast", "gloo")
     kept = command._settings(load_config(None, ["tracking.run_name=mine"]), Weights(tmp_path, False, "ckpt"))
     assert kept.tracking.run_name == "mine" and kept.model.path == "builtin:tiny"
     assert kept.data.val == "builtin:arith"  # no eval.data: the validation split

@@ -39,6 +39,7 @@ NOT_INHERITED = (
     "train.resume",
     "tracking.run_name",
     "tracking.register_model",
+    "ray.address",  # where the run was hosted: an evaluation runs where it is started (or RAY_ADDRESS)
     "eval.checkpoint",
     "eval.data",
 )
@@ -116,7 +117,8 @@ def _ray_up() -> bool:
 
 def _settings(cfg: DictConfig, weights: Weights | None) -> DictConfig:
     """The config of this evaluation: its own run name and Ray names, every prompt of the file read (as
-    `data.val`), and the weights as `model.path` where they are an HF folder."""
+    `data.val`), the weights as `model.path` where they are an HF folder, and no resources for what only
+    training uses (the trainer, reference workers, a weight group): the start-up checks count only what runs."""
     from app.infra.run_lock import new_run_name
 
     spec = cfg.eval.data or cfg.data.val
@@ -124,6 +126,10 @@ def _settings(cfg: DictConfig, weights: Weights | None) -> DictConfig:
         "data": {"train": spec, "val": spec, "val_size": 0},
         "tracking": {"run_name": cfg.tracking.run_name or new_run_name().replace("relay-", "eval-", 1)},
         "ray": {"name": f"{cfg.ray.name}-eval"},
+        "train": {"use_gpu": False, "worker_cpus": 0},
+        "resources": {"train_gpus": 0, "train_cpus": 0, "ref_gpus": 0, "ref_cpus": 0},
+        "ref": {"workers": 0},
+        "sync": {"transport": "broadcast", "backend": "gloo"},
     }
     if weights is not None and weights.hf:
         new["model"] = {"path": str(weights.path)}
