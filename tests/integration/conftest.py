@@ -185,11 +185,12 @@ def result_of(stdout: str) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_trained_run(ray_cluster, cache_dir, tmp_path_factory) -> dict:
-    """A finished two-step run of the embedded model (`--config quick`, small batches): its RESULT record
-    with `run_dir` (its folder: config.yaml, final/, a checkpoint) and `seconds`, for tests that need a
-    trained checkpoint."""
+    """A finished two-step run of the embedded model (`--config quick`, small batches; validation with two
+    samples per prompt): its RESULT record with `run_dir` (its folder: config.yaml, final/, a checkpoint) and
+    `seconds`, for tests that need a trained checkpoint."""
     root = tmp_path_factory.mktemp("tiny-trained")
     small = ["train.steps=2", "train.batch_groups=4", "data.val_size=4", "algorithm.val_every=2"]
+    small += ["eval.val_n=2", "algorithm.val_temperature=1.0", "eval.k=[1,2]"]
     t0 = time.monotonic()
     proc = subprocess.run(
         train_cmd(ray_cluster, cache_dir, root, "tiny-trained", *small),

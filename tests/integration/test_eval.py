@@ -1,5 +1,6 @@
 """`python -m app eval` on the embedded model's final checkpoint: per-source mean@n and pass@k in the RESULT
-line, scores.json and MLflow match a hand count over the rewards of its generations.jsonl."""
+line, scores.json and MLflow match a hand count over the rewards of its generations.jsonl; and validation in
+training reports the same scores per source."""
 
 from __future__ import annotations
 
@@ -94,3 +95,19 @@ def test_eval_of_the_final_checkpoint_matches_a_hand_count(
         assert run.data.metrics[f"eval/{src}/pass_at_2"] == pytest.approx(hand[src]["pass@2"])
         assert run.data.metrics[f"eval/{src}/mean_at_{N}"] == pytest.approx(hand[src][f"mean@{N}"])
     assert {a.path for a in client.list_artifacts(res["run_id"])} >= {"generations.jsonl", "scores.json"}
+
+
+def test_validation_in_training_reports_mean_and_pass_at_k_per_source(tiny_trained_run):
+    """The run validated with eval.val_n=2 samples per prompt: val/reward is their mean, and mean@2 and
+    pass@k of the one source (and `all`) reached MLflow at each validation."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tiny_trained_run["tracking_uri"])
+    run_id = tiny_trained_run["run_id"]
+    hist = {k: client.get_metric_history(run_id, k) for k in ("val/reward", "val/arith/mean_at_2")}
+    assert len(hist["val/reward"]) >= 2 and len(hist["val/arith/mean_at_2"]) == len(hist["val/reward"])
+    for a, b in zip(hist["val/reward"], hist["val/arith/mean_at_2"], strict=True):
+        assert a.step == b.step and a.value == pytest.approx(b.value)
+    for name in ("val/arith/pass_at_1", "val/arith/pass_at_2", "val/all/pass_at_2"):
+        values = [m.value for m in client.get_metric_history(run_id, name)]
+        assert values and all(0.0 <= v <= 1.0 for v in values), name
