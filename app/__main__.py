@@ -1,6 +1,7 @@
-"""Command line: `python -m app train [--config FILE] [--resume PATH] [key=value ...]`, `python -m app config`.
+"""Command line: `python -m app train [--config FILE] [--resume PATH] [key=value ...]`,
+`python -m app eval [--checkpoint PATH] [--data FILE] [--config FILE] [key=value ...]`, `python -m app config`.
 
-`train` prints one line `RESULT {json}` as the very last line of its stdout (a program reads the run's
+`train` and `eval` print one line `RESULT {json}` as the very last line of their stdout (a program reads the run's
 outcome from it): Ray is disconnected first, so no worker log line or progress bar can follow it.
 """
 
@@ -38,6 +39,21 @@ def _parser() -> argparse.ArgumentParser:
         "is dropped and the new data starts its first epoch",
     )
     tr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20")
+    ev = sub.add_parser(
+        "eval", help="mean@n and pass@k per data source of a checkpoint on a prompt file (eval.* keys)"
+    )
+    ev.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="an HF model folder, a run directory (its newest weights) or one of its checkpoints "
+        "(eval.checkpoint; none: model.path)",
+    )
+    ev.add_argument("--data", metavar="FILE", help="the prompt file (eval.data; none: data.val)")
+    ev.add_argument(
+        "--config",
+        help="a YAML file or a preset name (default: the settings of the run that wrote the weights)",
+    )
+    ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n=8 eval.k=[1,8]")
     ref = sub.add_parser(
         "config", help="print the config reference (every key, default, valid values, meaning)"
     )
@@ -77,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.write(reference_markdown())
         return 0
+    if args.cmd == "eval":
+        return _evaluate(args)
     try:
         overrides = list(args.overrides)
         if args.resume_with_new_data and not args.resume:
@@ -119,6 +137,37 @@ def _report_failure(e: Exception) -> None:
         return
     log.error("%s", found)
     log.debug("traceback of the error above (log_level=DEBUG)", exc_info=e)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    """`python -m app eval` (app/evaluation/command.py): RESULT {json} with the scores per data source."""
+    from app.evaluation import command
+
+    overrides = list(args.overrides)
+    overrides += [f"eval.checkpoint={args.checkpoint}"] if args.checkpoint else []
+    overrides += [f"eval.data={args.data}"] if args.data else []
+    try:
+        cfg = command.load(args.config, overrides)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
+        return 2
+    configure_logging(cfg.log_level)
+    _quiet_progress_bars()
+    try:
+        result = command.run(cfg)
+    except (
+        FileNotFoundError
+    ) as e:  # a checkpoint, model or prompt file that is not there: the message says it
+        log.error("%s", e)
+        _emit_result({"ok": False, "error": str(e)[:2000]})
+        return 1
+    except Exception as e:
+        _report_failure(e)
+        _emit_result({"ok": False, "error": str(user_error(e) or e)[:2000]})
+        return 1
+    _emit_result({"ok": True, **result})
+    return 0
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ class DataConfig(_Section):
     truncation: Truncation = "drop"
     """`drop`: skip overlong prompts and count them; `error`: fail on the first one, naming its row."""
     val_size: int = 64
-    """Number of validation prompts used at each validation."""
+    """Number of validation prompts used at each validation (the first of the file); 0: the whole split."""
     shuffle: bool = True
     """Shuffle the training prompts at every epoch (seeded by `data.seed` + epoch)."""
     seed: int = 0
@@ -203,7 +203,7 @@ class DataConfig(_Section):
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "max_prompt_tokens": rng(">= 1"),
-        "val_size": rng(">= 1"),
+        "val_size": rng(">= 0", "0: the whole split"),
         "seed": _SEED,
         "epochs": rng(">= 0", "0: unlimited"),
     }
@@ -846,6 +846,54 @@ class TrackingConfig(_Section):
 
 
 @dataclass
+class EvalConfig(_Section):
+    """`python -m app eval` (app/evaluation/command.py), and the samples per prompt of validation in training."""
+
+    checkpoint: str = ""
+    """What `python -m app eval` evaluates (also `--checkpoint`): an HF model folder, a run directory (its newest
+    weights: the `final/` export, or a newer checkpoint), or one of its checkpoints."""
+    data: str = ""
+    """The prompt file to evaluate (also `--data`), in the formats training reads; "": `data.val`."""
+    n: int = 4
+    """Samples per prompt of `python -m app eval`."""
+    k: list[int] = field(default_factory=lambda: [1])
+    """pass@k is reported for each k here (each at most the samples per prompt), with mean@n."""
+    temperature: float = 1.0
+    """Sampling temperature of `python -m app eval` (top_p: `rollout.top_p`)."""
+    pass_threshold: float = 1.0
+    """A sample passes (for pass@k) when its reward is at least this."""
+    timeout_s: float = 3600.0
+    """Deadline of the generation of `python -m app eval` (all prompts, once the replicas serve)."""
+    val_n: int = 1
+    """Samples per prompt at each validation in training; above 1 (with algorithm.val_temperature > 0),
+    mean@n and pass@k of `k` are logged per data source (`val/<source>/pass_at_1`, ...)."""
+
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "n": rng(">= 1"),
+        "temperature": rng(">= 0", "0: greedy"),
+        "pass_threshold": rng("finite"),
+        "timeout_s": _TIMEOUT,
+        "val_n": rng(">= 1"),
+    }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        ks = list(self.k)
+        _check(
+            f"{prefix}k",
+            bool(ks) and all(isinstance(k, int) and 1 <= k <= self.n for k in ks),
+            f"{ks}; each k must be an integer in [1, {prefix}n={self.n}] (pass@k draws k of the n samples per "
+            f"prompt), e.g. {prefix}k=[1,{self.n}]",
+        )
+        _check(
+            f"{prefix}temperature",
+            self.n == 1 or self.temperature > 0,
+            f"0 (greedy) with {prefix}n={self.n}: every sample of a prompt would be the same; set "
+            f"{prefix}temperature=1.0 or {prefix}n=1",
+        )
+
+
+@dataclass
 class RayConfig(_Section):
     address: str = ""
     """Ray address; empty starts (or joins) a local cluster."""
@@ -870,6 +918,7 @@ class RelayConfig(_Section):
     env: EnvConfig = field(default_factory=EnvConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str = "~/relay-runs"
     """Where run outputs go (run folder, checkpoints, the default MLflow store): an absolute path that outlives
@@ -930,6 +979,12 @@ class RelayConfig(_Section):
             "builtin:code needs a tokenizer that can write programs: model.path=builtin:tiny-code (the tiny "
             "model with an ASCII tokenizer; `--config code` sets it up) or a real instruction-tuned model; "
             "the arithmetic tiny model's tokenizer only knows digits and a few letters",
+        )
+        _check(
+            f"{prefix}eval.val_n",
+            self.eval.val_n == 1 or self.algorithm.val_temperature > 0,
+            f"{self.eval.val_n} samples per validation prompt with algorithm.val_temperature=0 (greedy): they "
+            "would all be the same; set algorithm.val_temperature=1.0 (or eval.val_n=1)",
         )
 
         _check(

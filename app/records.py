@@ -203,8 +203,9 @@ class GenerateResponse:
 
 @dataclass(kw_only=True)
 class ValResult:
-    """One validation pass: mean reward over `n` prompts, the newest policy version that answered, and a
-    table of sample answers (uid, prompt, response, answer, reward, version) for the tracker."""
+    """One validation pass: mean reward over the samples of `n` prompts, the newest policy version that
+    answered, a table of sample answers (uid, prompt, response, answer, reward, version) for the tracker, and
+    mean@n / pass@k per data source."""
 
     reward: float
     n: int
@@ -213,6 +214,8 @@ class ValResult:
     version_min: int = -1
     table: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, float] = field(default_factory=dict)  # e.g. multi-turn episodes' tool-call rate
+    # mean@n and pass@k per data source and over all (app/evaluation/scores.py `score`)
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)

@@ -62,15 +62,20 @@ class Rollouter:
         # streamed from the file and tokenized once in Ray Data (kept in the object store), then shuffled
         # and streamed epoch after epoch; a bad row fails here with a DataError naming the file and row
         columns = Columns.from_cfg(d)
-        self.train_set = train_dataset(
-            train,
-            model_path,
-            d.max_prompt_tokens,
-            d.truncation,
-            columns,
-            list(d.train_weights),
-            d.shuffle,
-            d.seed,
+        # (no training file: `python -m app eval`, which generates for the validation prompts only)
+        self.train_set = (
+            None
+            if not train
+            else train_dataset(
+                train,
+                model_path,
+                d.max_prompt_tokens,
+                d.truncation,
+                columns,
+                list(d.train_weights),
+                d.shuffle,
+                d.seed,
+            )
         )
         self.val_prompts = val_prompts(
             val, model_path, d.max_prompt_tokens, d.truncation, d.val_size, columns
@@ -103,6 +108,8 @@ class Rollouter:
         self.gen_busy_s = 0.0
 
     def _epoch_rows(self, epoch: int) -> Iterator[Prompt]:
+        if self.train_set is None:
+            raise RuntimeError("this rollouter was started without a training file (for evaluation only)")
         return map(self._to_prompt, self.train_set.epoch(epoch))
 
     async def _train_group(self, prompt: Prompt, seed: int, score_now: bool = True) -> Group:
@@ -162,15 +169,30 @@ class Rollouter:
             raise RuntimeError("this batch request was superseded by a restore from a checkpoint")
         return list(fresh)
 
+    async def evaluate(self, n: int, temperature: float, seed: int = 0) -> list[Group]:
+        """`n` scored samples of every validation prompt (rewards never shaped): what validation and
+        `python -m app eval` score (app/evaluation/scores.py). As many prompts generate at once as the
+        replicas batch (`rollout.max_num_seqs` each), so a large file never waits out a request's deadline
+        in a queue."""
+        r = self.cfg.rollout
+        gate = asyncio.Semaphore(max(1, r.max_num_seqs * r.max_replicas // n))
+
+        async def one(p: Prompt) -> Group:
+            async with gate:
+                return await self.generator.group(p, seed=seed, n=n, temperature=temperature, train=False)
+
+        return list(await asyncio.gather(*[one(p) for p in self.val_prompts]))
+
     async def validate(self) -> ValResult:
-        """Greedy (or `algorithm.val_temperature`) answers to the validation prompts: mean reward + a table."""
+        """`eval.val_n` greedy (or `algorithm.val_temperature`) answers to each validation prompt: the mean
+        reward, mean@n and pass@k per data source, and a table of first answers."""
+        from app.evaluation.scores import PromptRewards, ks_for, score
+
         t0 = time.perf_counter()
-        temp = self.cfg.algorithm.val_temperature
-        groups = await asyncio.gather(
-            *[self.generator.group(p, seed=0, n=1, temperature=temp, train=False) for p in self.val_prompts]
-        )
-        rewards = [g.samples[0].reward for g in groups]
-        versions = [v for g in groups for v in g.samples[0].versions]
+        n, ev = self.cfg.eval.val_n, self.cfg.eval
+        groups = await self.evaluate(n, self.cfg.algorithm.val_temperature)
+        rewards = [s.reward for g in groups for s in g.samples]
+        versions = [v for g in groups for s in g.samples for v in s.versions]
         table = [
             {
                 "uid": g.uid,
@@ -182,15 +204,22 @@ class Rollouter:
             }
             for g in groups[: self.cfg.tracking.log_samples]
         ]
+        scores = score(
+            [PromptRewards(g.data_source, [s.reward for s in g.samples]) for g in groups],
+            ks_for(ev.k, n),
+            ev.pass_threshold,
+        )
         return ValResult(
             reward=sum(rewards) / max(1, len(rewards)),
-            n=len(rewards),
+            n=len(groups),
             seconds=time.perf_counter() - t0,
             version_max=max(versions, default=-1),
             version_min=min(versions, default=-1),
             table=table,
+            scores=scores,
             extra={
-                f"val/{k.split('/')[-1]}": v for k, v in env_metrics([g.samples[0] for g in groups]).items()
+                f"val/{k.split('/')[-1]}": v
+                for k, v in env_metrics([s for g in groups for s in g.samples]).items()
             },
         )
 

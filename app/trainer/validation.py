@@ -1,10 +1,14 @@
-"""Validation on the rollout replicas (trainer rank 0): run now, or beside training and logged when it lands."""
+"""Validation on the rollout replicas (trainer rank 0): run now, or beside training and logged when it lands.
+
+Each validation answers the first `data.val_size` prompts of `data.val` (0: all) `eval.val_n` times; its
+mean@n and pass@k per data source come from app/evaluation/scores.py, as in `python -m app eval`."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from app.evaluation.scores import ALL, metric_items
 from app.records import ValResult
 from app.trainer.comm import Actors
 
@@ -54,10 +58,33 @@ class Validator:
                 "val/version_max": res.version_max,
                 "timing/val_s": res.seconds,
                 **res.extra,  # e.g. multi-turn episodes' val/tool_call_rate, val/turns_mean
+                **per_source(res.scores),
             },
             step,
         )
         self.tracker.table(res.table, f"samples/val_v{version:05d}.json")
         self.prom.set("relay_val_reward", res.reward)
-        log.info("validation at version %d: reward %.3f over %d prompts", version, res.reward, res.n)
+        log.info(
+            "validation at version %d: reward %.3f over %d prompts%s",
+            version,
+            res.reward,
+            res.n,
+            "".join(f"; {src}: {summary(v)}" for src, v in res.scores.items() if src != ALL),
+        )
         return res.reward
+
+
+def per_source(scores: dict[str, dict[str, float]]) -> dict[str, float]:
+    """mean@n and pass@k per data source as `val/<source>/mean_at_4`, `val/<source>/pass_at_1`, ...: where
+    they say more than `val/reward` (several samples per prompt, or several sources)."""
+    sources = [s for s in scores if s != ALL]
+    several_samples = any(k != "mean@1" and k.startswith("mean@") for v in scores.values() for k in v)
+    if not (several_samples or len(sources) > 1):
+        return {}
+    return metric_items(scores, "val")
+
+
+def summary(values: dict[str, float]) -> str:
+    """`mean@4 0.375, pass@1 0.375 (2 prompts)`."""
+    named = ", ".join(f"{k} {v:.3f}" for k, v in values.items() if k != "prompts")
+    return f"{named} ({values.get('prompts', 0):.0f} prompts)"

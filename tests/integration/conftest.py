@@ -174,6 +174,37 @@ def ray_cluster():
                 os.environ[k] = v
 
 
+def result_of(stdout: str) -> dict:
+    """The RESULT record of a CLI run (its one `RESULT {json}` line)."""
+    import json
+
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, stdout[-2000:]
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_run(ray_cluster, cache_dir, tmp_path_factory) -> dict:
+    """A finished two-step run of the embedded model (`--config quick`, small batches; validation with two
+    samples per prompt): its RESULT record with `run_dir` (its folder: config.yaml, final/, a checkpoint) and
+    `seconds`, for tests that need a trained checkpoint."""
+    root = tmp_path_factory.mktemp("tiny-trained")
+    small = ["train.steps=2", "train.batch_groups=4", "data.val_size=4", "algorithm.val_every=2"]
+    small += ["eval.val_n=2", "algorithm.val_temperature=1.0", "eval.k=[1,2]"]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        train_cmd(ray_cluster, cache_dir, root, "tiny-trained", *small),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = result_of(proc.stdout)
+    assert res["ok"] and res["steps"] == 2, res
+    return {**res, "run_dir": str(root / "tiny-trained"), "seconds": time.monotonic() - t0}
+
+
 @pytest.fixture(scope="session")
 def rollout_stack(ray_cluster, cache_dir):
     """A Serve rollout app (1 vLLM CPU replica), its weight hub and a rollouter, named 'it'; Serve's HTTP

@@ -1,0 +1,213 @@
+"""`python -m app eval`: mean@n and pass@k per data source of a checkpoint on a prompt file.
+
+weights   `eval.checkpoint` (app/evaluation/checkpoints.py): an HF folder, a run directory or a checkpoint;
+          a sharded checkpoint is exported to an HF folder in the evaluation's folder first. None given:
+          `model.path`.
+settings  a run's checkpoint brings the run's config (reward function, lengths, model dtype) unless
+          `--config` is given; `key=value` overrides apply on top, as for `train`
+generate  the rollout deployment and the rollouter of training (app/driver.py), named `<ray.name>-eval`
+          so a training run on the same cluster keeps its own: `eval.n` samples of every prompt of
+          `eval.data` (else `data.val`), scored by the reward function as in validation
+report    `<run_dir>/<eval run>/generations.jsonl` (one line per sample) and `scores.json`, an MLflow run
+          (`eval/<source>/mean_at_4`, `eval/<source>/pass_at_1`, ...) and the RESULT record
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from app.config import ALL_KEYS, ConfigError, load_config
+from app.evaluation import checkpoints
+from app.evaluation.checkpoints import Weights
+from app.evaluation.scores import ALL, PromptRewards, metric_items, score
+from app.records import Group
+
+log = logging.getLogger("app.eval")
+
+GENERATIONS = "generations.jsonl"
+SCORES = "scores.json"
+# a run's settings that belong to that run, not to an evaluation of its weights
+NOT_INHERITED = (
+    "train.resume",
+    "tracking.run_name",
+    "tracking.register_model",
+    "ray.address",  # where the run was hosted: an evaluation runs where it is started (or RAY_ADDRESS)
+    "eval.checkpoint",
+    "eval.data",
+)
+
+
+def load(config_file: str | None, overrides: list[str]) -> DictConfig:
+    """The evaluation's config: defaults < `config_file` (else, for a Relay run's weights, that run's config)
+    < `overrides`. Raises ConfigError naming the key and the fix."""
+    cfg = load_config(config_file, overrides)
+    found = checkpoints.run_config(cfg.eval.checkpoint) if cfg.eval.checkpoint and not config_file else None
+    if found is None:
+        return cfg
+    saved, where = found
+    with tempfile.TemporaryDirectory(prefix="relay-eval-") as tmp:
+        path = Path(tmp, "run-config.yaml")
+        path.write_text(yaml.safe_dump(_inherited(saved)))
+        try:
+            cfg = load_config(str(path), overrides)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e}: in the settings of the run that wrote {cfg.eval.checkpoint} ({where}); override the key, "
+                "or give --config FILE to evaluate with other settings"
+            ) from None
+    log.info("settings of the run that wrote the weights: %s (--config FILE replaces them)", where)
+    return cfg
+
+
+def _inherited(saved: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The keys of a run's config that this version knows, less those that belong to the run itself."""
+    out: dict[str, Any] = {}
+    for k, v in saved.items():
+        key = f"{prefix}{k}"
+        if key not in ALL_KEYS or key in NOT_INHERITED:
+            continue
+        if isinstance(v, dict) and any(a.startswith(key + ".") for a in ALL_KEYS):
+            out[k] = _inherited(v, key + ".")
+        else:
+            out[k] = v
+    return out
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """One evaluation (see the module docstring); returns the RESULT record, raises where it failed."""
+    from app.driver import Inputs, _open_run, resolve_inputs, start_ray, teardown
+
+    t0 = time.time()
+    weights = checkpoints.locate(cfg.eval.checkpoint) if cfg.eval.checkpoint else None
+    cfg = _settings(cfg, weights)
+    inputs = resolve_inputs(cfg)  # the model (built-in ones built), the prompt file checked: before Ray
+    rec = _open_run(cfg, None)
+    status = "FAILED"
+    started = False
+    try:
+        model = inputs.model_path
+        if weights is not None and not weights.hf:  # a sharded checkpoint of a run of that model
+            model = str(checkpoints.export_hf(weights.path, model, rec.dir / "model", cfg.model.dtype))
+        started = start_ray(cfg)
+        groups = _generate(cfg, Inputs(model, [], inputs.val, inputs.columns))
+        what = weights.what if weights is not None else "model.path"
+        out = _report(cfg, rec, groups, {"model": model, "weights": what, "data": inputs.val})
+        out["wall_s"] = round(time.time() - t0, 1)
+        status = "FINISHED"
+        return out
+    finally:
+        rec.close(status)
+        if started or _ray_up():
+            teardown(cfg, started)
+
+
+def _ray_up() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def _settings(cfg: DictConfig, weights: Weights | None) -> DictConfig:
+    """The config of this evaluation: its own run name and Ray names, every prompt of the file read (as
+    `data.val`), the weights as `model.path` where they are an HF folder, and no resources for what only
+    training uses (the trainer, reference workers, a weight group): the start-up checks count only what runs."""
+    from app.infra.run_lock import new_run_name
+
+    spec = cfg.eval.data or cfg.data.val
+    new: dict[str, Any] = {
+        "data": {"train": spec, "val": spec, "val_size": 0},
+        "tracking": {"run_name": cfg.tracking.run_name or new_run_name().replace("relay-", "eval-", 1)},
+        "ray": {"name": f"{cfg.ray.name}-eval"},
+        "train": {"use_gpu": False, "worker_cpus": 0},
+        "resources": {"train_gpus": 0, "train_cpus": 0, "ref_gpus": 0, "ref_cpus": 0},
+        "ref": {"workers": 0},
+        "sync": {"transport": "broadcast", "backend": "gloo"},
+    }
+    if weights is not None and weights.hf:
+        new["model"] = {"path": str(weights.path)}
+    return OmegaConf.merge(cfg, new)  # type: ignore[return-value]
+
+
+def _generate(cfg: DictConfig, inputs: Any) -> list[Group]:
+    """`eval.n` scored samples of every prompt, on the rollout deployment training uses."""
+    import ray
+
+    from app.driver import RolloutStartWatch, _start_roles
+    from app.serve_rollout import app_name
+
+    watch = RolloutStartWatch(app_name(cfg.ray.name))
+    roles = _start_roles(cfg, inputs, watch)  # (the handles must live while the actors work)
+    cfg, rollouter = roles[0], roles[3]
+    watch.wait(cfg.rollout.join_timeout_s)
+    log.info("generating %d samples per prompt of %s", cfg.eval.n, inputs.val)
+    ref = rollouter.evaluate.remote(cfg.eval.n, cfg.eval.temperature, cfg.seed)
+    deadline = time.monotonic() + cfg.eval.timeout_s
+    while not ray.wait([ref], timeout=1.0)[0]:
+        if time.monotonic() > deadline:
+            ray.cancel(ref)
+            raise TimeoutError(
+                f"the evaluation's generation did not finish within eval.timeout_s={cfg.eval.timeout_s:g}s; "
+                "raise it, or evaluate fewer prompts or samples (eval.n)"
+            )
+    return ray.get(ref)
+
+
+def _report(cfg: DictConfig, rec: Any, groups: list[Group], where: dict[str, str]) -> dict[str, Any]:
+    """generations.jsonl, scores.json and the MLflow run's metrics; the RESULT record."""
+    rows = [sample_row(g, i) for g in groups for i in range(len(g.samples))]
+    gen_path = rec.dir / GENERATIONS
+    gen_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scores = score(
+        [PromptRewards(g.data_source, [s.reward for s in g.samples]) for g in groups],
+        list(cfg.eval.k),
+        cfg.eval.pass_threshold,
+    )
+    errors = sum(1 for r in rows if r["reward_error"])
+    (rec.dir / SCORES).write_text(json.dumps({"scores": scores, **where}, indent=1))
+    rec.tracker.tags({"relay.kind": "eval", "relay.weights": where["weights"], "relay.model": where["model"]})
+    rec.tracker.metrics({**metric_items(scores, "eval"), "eval/reward_errors": float(errors)}, 0)
+    rec.tracker.artifact(str(gen_path))
+    rec.tracker.artifact(str(rec.dir / SCORES))
+    for src, values in scores.items():
+        log.info("%s: %s", src, ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+    if errors:
+        log.warning(
+            "%d of %d samples' rewards failed (scored reward.on_error); see %s", errors, len(rows), gen_path
+        )
+    return {
+        "run_id": rec.tracker.run_id,
+        "tracking_uri": rec.uri,
+        **where,
+        "n": cfg.eval.n,
+        "k": list(cfg.eval.k),
+        "prompts": int(scores.get(ALL, {}).get("prompts", 0)),
+        "scores": scores,
+        "reward_errors": errors,
+        "generations": str(gen_path),
+    }
+
+
+def sample_row(g: Group, i: int) -> dict[str, Any]:
+    """One line of generations.jsonl: the prompt, the i-th sample's response and its reward."""
+    s = g.samples[i]
+    return {
+        "uid": g.uid,
+        "data_source": g.data_source,
+        "sample": i,
+        "prompt": g.prompt_text,
+        "answer": g.answer,
+        "response": s.text,
+        "reward": s.reward,
+        "reward_error": s.reward_error,
+        "reward_extras": s.reward_extras,
+        "finish_reason": s.finish_reason,
+        "response_tokens": len(s.token_ids),
+    }

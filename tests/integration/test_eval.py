@@ -1,0 +1,113 @@
+"""`python -m app eval` on the embedded model's final checkpoint: per-source mean@n and pass@k in the RESULT
+line, scores.json and MLflow match a hand count over the rewards of its generations.jsonl; and validation in
+training reports the same scores per source."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import REPO, result_of
+
+N, KS = 4, (1, 2, 4)
+
+
+def _two_sources(cache_dir: Path, out: Path) -> Path:
+    """Six prompts of the embedded task's validation split: three of source `arith`, three of `arith_b`."""
+    val = next(Path(cache_dir).glob("builtin-v*/val.jsonl"))
+    rows = [json.loads(x) for x in val.read_text().splitlines()[:6]]
+    for r in rows[3:]:
+        r["data_source"] = "arith_b"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def _hand_count(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """mean@N and pass@k per source by counting: pass@k is the share of the k-subsets of a prompt's N samples
+    that hold a sample of reward 1, averaged over the source's prompts."""
+    by_prompt: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in rows:
+        by_prompt[(r["data_source"], r["uid"])].append(r["reward"])
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for (src, _), rewards in by_prompt.items():
+        assert len(rewards) == N
+        for where in (src, "all"):
+            out[where][f"mean@{N}"].append(sum(rewards) / N)
+            for k in KS:
+                subsets = list(itertools.combinations(rewards, k))
+                out[where][f"pass@{k}"].append(sum(any(x >= 1.0 for x in c) for c in subsets) / len(subsets))
+    return {src: {m: sum(v) / len(v) for m, v in ms.items()} for src, ms in out.items()}
+
+
+def test_eval_of_the_final_checkpoint_matches_a_hand_count(
+    ray_cluster, cache_dir, tiny_trained_run, tmp_path
+):
+    from mlflow.tracking import MlflowClient
+
+    data = _two_sources(cache_dir, tmp_path / "two_sources.jsonl")
+    cmd = [
+        sys.executable,
+        "-m",
+        "app",
+        "eval",
+        "--checkpoint",
+        tiny_trained_run["run_dir"],
+        "--data",
+        str(data),
+    ]
+    cmd += [f"eval.n={N}", f"eval.k=[{','.join(map(str, KS))}]", "tracking.run_name=eval-it"]
+    cmd += [f"ray.address={ray_cluster['address']}", f"run_dir={tmp_path}", f"model.cache_dir={cache_dir}"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    eval_s = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = result_of(proc.stdout)
+    print(f"training run {tiny_trained_run['seconds']:.0f}s, eval run {eval_s:.0f}s")
+    assert res["ok"] and res["weights"] == "final export", res
+    assert res["model"] == str(Path(tiny_trained_run["run_dir"], "final")), res
+    # the run's settings came along (its reward function: `auto`, exact match for these sources)
+    assert "settings of the run that wrote the weights" in proc.stderr
+    rows = [json.loads(x) for x in Path(res["generations"]).read_text().splitlines()]
+    assert len(rows) == 6 * N and {r["data_source"] for r in rows} == {"arith", "arith_b"}
+    assert sorted((r["uid"], r["sample"]) for r in rows) == sorted(
+        (u, i) for u in {r["uid"] for r in rows} for i in range(N)
+    )
+    assert all(r["reward"] == float(r["response"].strip() == r["answer"]) for r in rows)
+    hand = _hand_count(rows)
+    assert set(res["scores"]) == {"arith", "arith_b", "all"}
+    for src, metrics in hand.items():
+        for name, value in metrics.items():
+            assert res["scores"][src][name] == pytest.approx(value), (src, name)
+        assert res["scores"][src]["prompts"] == (6 if src == "all" else 3)
+    saved = json.loads(Path(tmp_path, "eval-it", "scores.json").read_text())
+    assert saved["scores"] == res["scores"]
+    client = MlflowClient(res["tracking_uri"])
+    run = client.get_run(res["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["relay.kind"] == "eval"
+    for src in ("arith", "arith_b", "all"):
+        assert run.data.metrics[f"eval/{src}/pass_at_2"] == pytest.approx(hand[src]["pass@2"])
+        assert run.data.metrics[f"eval/{src}/mean_at_{N}"] == pytest.approx(hand[src][f"mean@{N}"])
+    assert {a.path for a in client.list_artifacts(res["run_id"])} >= {"generations.jsonl", "scores.json"}
+
+
+def test_validation_in_training_reports_mean_and_pass_at_k_per_source(tiny_trained_run):
+    """The run validated with eval.val_n=2 samples per prompt: val/reward is their mean, and mean@2 and
+    pass@k of the one source (and `all`) reached MLflow at each validation."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tiny_trained_run["tracking_uri"])
+    run_id = tiny_trained_run["run_id"]
+    hist = {k: client.get_metric_history(run_id, k) for k in ("val/reward", "val/arith/mean_at_2")}
+    assert len(hist["val/reward"]) >= 2 and len(hist["val/arith/mean_at_2"]) == len(hist["val/reward"])
+    for a, b in zip(hist["val/reward"], hist["val/arith/mean_at_2"], strict=True):
+        assert a.step == b.step and a.value == pytest.approx(b.value)
+    for name in ("val/arith/pass_at_1", "val/arith/pass_at_2", "val/all/pass_at_2"):
+        values = [m.value for m in client.get_metric_history(run_id, name)]
+        assert values and all(0.0 <= v <= 1.0 for v in values), name

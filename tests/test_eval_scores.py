@@ -1,0 +1,75 @@
+"""mean@n and pass@k (app/evaluation/scores.py) against values computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.evaluation.scores import PromptRewards, ks_for, metric_items, pass_at_k, score
+
+
+def test_pass_at_k_by_hand():
+    # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    # n=4, c=2, k=2: 1 - C(2,2)/C(4,2) = 1 - 1/6
+    assert pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
+    # n=5, c=2, k=3: 1 - C(3,3)/C(5,3) = 1 - 1/10
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    # k=1 is the fraction that passes
+    assert pass_at_k(4, 3, 1) == pytest.approx(0.75)
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 1, 4) == 1.0  # all four drawn: the one passing sample is among them
+    assert pass_at_k(4, 3, 2) == 1.0  # n - c = 1 < k: every pair holds a passing sample
+
+
+@pytest.mark.parametrize("n,c,k", [(4, 5, 1), (4, 1, 0), (4, 1, 5), (3, -1, 1)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass@k needs"):
+        pass_at_k(n, c, k)
+
+
+def test_score_per_source_and_all_by_hand():
+    prompts = [
+        PromptRewards("a", [1.0, 0.0, 0.0, 0.0]),  # c=1
+        PromptRewards("a", [1.0, 1.0, 0.0, 0.0]),  # c=2
+        PromptRewards("b", [0.0, 0.0, 0.0, 0.0]),  # c=0
+        PromptRewards("b", [0.5, 1.0, 0.5, 1.0]),  # c=2 at threshold 1 (0.5 does not pass)
+    ]
+    s = score(prompts, ks=[1, 2], threshold=1.0)
+    assert set(s) == {"a", "b", "all"}
+    # a: means 1/4 and 2/4 -> 0.375; pass@1: (1/4 + 2/4)/2; pass@2: (1/2 + 5/6)/2
+    assert s["a"]["mean@4"] == pytest.approx(0.375)
+    assert s["a"]["pass@1"] == pytest.approx(0.375)
+    assert s["a"]["pass@2"] == pytest.approx((0.5 + 5 / 6) / 2)
+    assert s["a"]["prompts"] == 2
+    # b: means 0 and 3/4 -> 0.375; pass@1: (0 + 2/4)/2 = 0.25; pass@2: (0 + 5/6)/2
+    assert s["b"]["mean@4"] == pytest.approx(0.375)
+    assert s["b"]["pass@1"] == pytest.approx(0.25)
+    assert s["b"]["pass@2"] == pytest.approx(5 / 12)
+    # all four prompts
+    assert s["all"]["mean@4"] == pytest.approx(0.375)
+    assert s["all"]["pass@1"] == pytest.approx((0.25 + 0.5 + 0 + 0.5) / 4)
+    assert s["all"]["pass@2"] == pytest.approx((0.5 + 5 / 6 + 0 + 5 / 6) / 4)
+    assert s["all"]["prompts"] == 4
+    # a lower threshold lets 0.5 pass: b's second prompt has c=4
+    assert score(prompts, [1], threshold=0.5)["b"]["pass@1"] == pytest.approx(0.5)
+
+
+def test_score_refuses_uneven_groups_and_large_k():
+    with pytest.raises(ValueError, match="same number of samples"):
+        score([PromptRewards("a", [1.0, 0.0]), PromptRewards("a", [1.0])], [1], 1.0)
+    with pytest.raises(ValueError, match=r"1 <= k <= n = 2"):
+        score([PromptRewards("a", [1.0, 0.0])], [3], 1.0)
+    assert score([], [1], 1.0) == {}
+
+
+def test_metric_names_and_ks():
+    s = score([PromptRewards("gsm8k", [1.0, 0.0])], [1, 2], 1.0)
+    assert metric_items(s, "val") == {
+        "val/gsm8k/mean_at_2": 0.5,
+        "val/gsm8k/pass_at_1": 0.5,
+        "val/gsm8k/pass_at_2": 1.0,
+        "val/all/mean_at_2": 0.5,
+        "val/all/pass_at_1": 0.5,
+        "val/all/pass_at_2": 1.0,
+    }
+    assert ks_for([8, 1, 2, 1], 4) == [1, 2]
