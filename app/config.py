@@ -1011,10 +1011,13 @@ def _toy_settings(cfg: RelayConfig) -> list[str]:
         "model.dtype": (cfg.model.dtype == "float32", "bfloat16"),
     }
     found += [f"{key}={_default(key)} (e.g. {key}={fix})" for key, (hit, fix) in toy.items() if hit]
-    if not (r.replica_gpus > 0 or res.rollout_gpus > 0) or not (t.use_gpu or res.train_gpus > 0):
+    on_gpus = res.colocate or (
+        (r.replica_gpus > 0 or res.rollout_gpus > 0) and (t.use_gpu or res.train_gpus > 0)
+    )  # resources.colocate puts both on every GPU
+    if not on_gpus:
         found.append(
             "vLLM or the trainer on CPU (e.g. resources.rollout_gpus=0.5 resources.train_gpus=0.5: half of the "
-            "cluster's GPUs each; or rollout.replica_gpus and train.use_gpu)"
+            "cluster's GPUs each; resources.colocate=true: both on every GPU; or rollout.replica_gpus and train.use_gpu)"
         )
     return found
 

@@ -556,3 +556,11 @@ def test_model_path_expands_home_and_names_the_fix(tmp_path, monkeypatch):
         resolve_model_path(str(tmp_path / "models"))
     with pytest.raises(ModelPathError, match="does not exist"):
         resolve_model_path("./no/such/place")
+
+
+def test_a_real_model_may_run_colocated_on_every_gpu():
+    """`resources.colocate` places vLLM and the trainer on GPUs: not the toy default's CPU placement."""
+    cfg = load_config(
+        "gsm8k", ["resources.colocate=true", "resources.rollout_gpus=0", "resources.train_gpus=0"]
+    )
+    assert cfg.resources.colocate
