@@ -35,7 +35,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Choices are Literal types: OmegaConf (>= 2.4) refuses any other value at load, `typed()` hands out fields
 # typed with them, and each section's check() repeats the membership test for dataclasses built in code.
-Partial = Literal["off", "keep", "resubmit"]
+Partial = Literal["off", "keep", "resubmit", "finish_on_old"]
 OverBound = Literal["train", "regenerate"]
 LossAgg = Literal["token_mean", "seq_mean"]
 KlKind = Literal["k1", "k3", "low_var_kl"]
@@ -156,12 +156,44 @@ class ModelConfig(_Section):
     dataset, data.max_prompt_tokens=64, rollout.max_tokens=8, train.lr=1e-3, float32, vLLM or the trainer on
     CPU), naming the keys to set or the preset (`--config gsm8k`, `--config math`); true keeps them on
     purpose (benchmarks of model shapes on the toy task, a real model on CPU)."""
+    lora_rank: int = 0
+    """LoRA: rank r of the low-rank adapters trained on `lora_targets` (the base frozen; only the adapters are
+    in the optimizer, checkpoints and weight pushes); 0 trains every weight (full fine-tuning)."""
+    lora_alpha: float = 16.0
+    """LoRA: the adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input while training."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """LoRA: comma-separated names of the linear layers to adapt (PEFT's target_modules); a name that is not
+    one of the model's linear layers fails when the model is built, naming them."""
+    lora_merge: bool = False
+    """LoRA: the final checkpoint also holds the merged model (base + adapter, a plain HF folder vLLM loads
+    alone) in `final/merged/`, beside the adapter in PEFT format in `final/`."""
+
+    _RANGES: ClassVar[dict[str, Range]] = {
+        "lora_rank": rng("[0, 512]", "0: full fine-tuning; vLLM serves adapters of rank <= 512"),
+        "lora_alpha": rng("> 0", "the adapter's update is scaled by lora_alpha / lora_rank"),
+        "lora_dropout": rng("[0, 1)", "a probability; 1 would drop every input"),
+    }
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
         if self.path.startswith("builtin:"):
             where = " (or a checkpoint folder, or a hub id Org/Name)"
             _check_choice(f"{prefix}path", self.path, BUILTIN_MODELS, where)
+        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        _check(
+            f"{prefix}lora_targets",
+            self.lora_rank == 0 or bool(targets),
+            "empty; name the linear layers to adapt, e.g. q_proj,k_proj,v_proj,o_proj",
+        )
+        bad = [t for t in targets if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", t)]
+        _check(
+            f"{prefix}lora_targets",
+            not bad,
+            f"{', '.join(map(repr, bad))} is not a layer name; give the linear layers' own names separated "
+            "by commas (e.g. q_proj,v_proj), not paths or patterns",
+        )
 
 
 @dataclass
@@ -290,7 +322,10 @@ class RolloutConfig(_Section):
     partial: Partial = "keep"
     """What a push does to generations in flight: `keep` freezes them and continues under the new weights
     (KV cache recomputed), `resubmit` aborts them and resubmits prompt + partial response, `off` lets them
-    finish under the old weights before loading. Tokens always keep the version that produced them."""
+    finish under the old weights before loading. Tokens always keep the version that produced them.
+    `finish_on_old` (LoRA only, and its default when `model.lora_rank > 0`): no pause at all; the pushed
+    adapter is loaded beside the old ones, requests in flight finish on the adapter they were admitted
+    under and new ones take the new one, so every sample carries one version."""
     recompute_kv: bool = True
     """With `partial=keep`: after a push, the frozen generations' KV cache is recomputed with the new weights
     (a prefill of every context in flight, each push: on one H100 it took 76-277 ms of generation with 64
@@ -939,6 +974,7 @@ class RelayConfig(_Section):
             section = getattr(self, f.name)
             if isinstance(section, _Section):
                 section.check(f"{prefix}{f.name}.")
+        self._check_lora(prefix)
         budget = self.data.max_prompt_tokens + self.rollout.max_tokens
         _check(
             f"{prefix}rollout.max_model_len",
@@ -995,6 +1031,31 @@ class RelayConfig(_Section):
         )
 
 
+    def _check_lora(self, prefix: str) -> None:
+        """LoRA's cross-section rules: adapters are pushed beside the old ones (finish_on_old), and the KL
+        reference is the trainer's base with the adapters off."""
+        lora, partial = self.model.lora_rank > 0, self.rollout.partial
+        _check(
+            f"{prefix}rollout.partial",
+            not lora or partial == "finish_on_old",
+            f"{partial!r} with model.lora_rank={self.model.lora_rank}: a LoRA push loads the new adapter beside "
+            "the old ones and requests in flight finish on theirs; use rollout.partial=finish_on_old (the "
+            "default with LoRA)",
+        )
+        _check(
+            f"{prefix}rollout.partial",
+            lora or partial != "finish_on_old",
+            "finish_on_old needs LoRA (model.lora_rank > 0): full weights are loaded in place, so requests in "
+            "flight cannot finish on the old ones; use keep, resubmit or off, or set model.lora_rank",
+        )
+        _check(
+            f"{prefix}ref.workers",
+            not lora or self.ref.workers == 0,
+            f"{self.ref.workers} with model.lora_rank={self.model.lora_rank}: with LoRA the KL reference is the "
+            "trainer's base model with the adapters off (no copy, no reference workers); set ref.workers=0",
+        )
+
+
 def _toy_settings(cfg: RelayConfig) -> list[str]:
     """The embedded default's toy settings still in `cfg`, each with the value a real run would set."""
     d, r, t, res = cfg.data, cfg.rollout, cfg.train, cfg.resources
@@ -1034,6 +1095,14 @@ def _check_real_model(cfg: RelayConfig) -> None:
             "or `--config math`, then set model.path and data.train / data.val), or set those keys; "
             "model.allow_toy_settings=true keeps them on purpose (a benchmark of model shapes, a real model on CPU)"
         )
+
+
+def _lora_defaults(cfg: DictConfig, layers: list[tuple[str, str, DictConfig]]) -> None:
+    """`rollout.partial` defaults to `finish_on_old` with LoRA (`model.lora_rank > 0`) unless a layer set it."""
+    if int(cfg.model.lora_rank) <= 0:
+        return
+    if not any(OmegaConf.select(layer, "rollout.partial") is not None for _, _, layer in layers):
+        cfg.rollout.partial = "finish_on_old"
 
 
 def _keys(cls: type, prefix: str = "") -> list[str]:
@@ -1383,12 +1452,14 @@ def _layers(config_file: str | None, overrides: list[str]) -> list[tuple[str, st
 def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Defaults < config file < `key=value` overrides, validated. Raises ConfigError with a helpful message."""
     cfg = OmegaConf.structured(RelayConfig)
-    for source, key, layer in _layers(config_file, list(overrides or [])):
+    layers = _layers(config_file, list(overrides or []))
+    for source, key, layer in layers:
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except (ConfigKeyError, ValidationError, ConfigTypeError) as e:
             err = _explain(e, key)
             raise ConfigError(f"{err} (from {source})") from e
+    _lora_defaults(cfg, layers)
     validate(cfg)
     return cfg  # type: ignore[return-value]
 
