@@ -1030,7 +1030,6 @@ class RelayConfig(_Section):
             "is part of a batch; lower it, or 0 for one optimizer step per batch",
         )
 
-
     def _check_lora(self, prefix: str) -> None:
         """LoRA's cross-section rules: adapters are pushed beside the old ones (finish_on_old), and the KL
         reference is the trainer's base with the adapters off."""
@@ -1097,7 +1096,7 @@ def _check_real_model(cfg: RelayConfig) -> None:
         )
 
 
-def _lora_defaults(cfg: DictConfig, layers: list[tuple[str, str, DictConfig]]) -> None:
+def _lora_defaults(cfg: DictConfig, layers: list[tuple[str, str | None, DictConfig]]) -> None:
     """`rollout.partial` defaults to `finish_on_old` with LoRA (`model.lora_rank > 0`) unless a layer set it."""
     if int(cfg.model.lora_rank) <= 0:
         return

@@ -145,7 +145,7 @@ def save(
     if rank == 0 and pipeline is None:
         raise ValueError("rank 0 saves a checkpoint without the rollout pipeline's snapshot (pipeline.json)")
     path.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(learner.model, learner.opt)
+    model_sd, optim_sd = get_state_dict(learner.model, learner.opt, options=_options(learner))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "model"))
     torch.save(
         {
@@ -321,6 +321,15 @@ def newest(root: Path, checksums: bool = True) -> Selection | None:
 # ------------------------------------------------------------------ loading
 
 
+def _options(learner: Any) -> Any:
+    """With LoRA the checkpoint holds the adapters and their optimizer state only: the frozen base is the model
+    at `model.path`, which `--resume` checks is the same (app/trainer/resume_check.py)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    lora = getattr(learner, "lora", None) is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
 def load(learner: Any, path: Path, rank: int) -> dict[str, Any]:
     """Load model, optimizer, scheduler and RNG states into this rank; returns state.json with its
     "pipeline" (pipeline.json) and "config" (config.json, None for a checkpoint written before it).
@@ -334,10 +343,13 @@ def load(learner: Any, path: Path, rank: int) -> dict[str, Any]:
             f"checkpoint {path} has no {PIPELINE} (the prompt stream's position and queue): restoring it "
             "would train the epoch's prompts again; resume from a complete checkpoint (give the run directory)"
         )
-    model_sd, optim_sd = get_state_dict(learner.model, learner.opt)
+    opts = _options(learner)
+    model_sd, optim_sd = get_state_dict(learner.model, learner.opt, options=opts)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path / "model"))
-    set_state_dict(learner.model, learner.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(
+        learner.model, learner.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=opts
+    )
     mine = path / f"rank{rank}.pt"
     if not mine.exists():  # resumed on more workers than saved it: the shards reshard, RNGs come from rank 0
         log.warning("%s has no state for rank %d (saved with fewer workers): using rank 0's", path, rank)

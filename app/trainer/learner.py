@@ -20,7 +20,7 @@ import torch.distributed as dist
 from app.plugins import resolve
 from app.records import Batch, Group
 from app.rollout.episode import env_metrics
-from app.trainer import grpo
+from app.trainer import grpo, lora
 from app.trainer.losses import LOSSES, LossInputs
 from app.trainer.minibatch import merge_updates, mini_batches
 from app.trainer.packing import collate_packed, packed_model_kwargs, plan_micro_batches, to_device
@@ -43,12 +43,15 @@ def build_fsdp_model(
     reshard_after_forward: bool = True,
     reduce_dtype: str = "float32",
     compile_layers: bool = False,
+    adapters: lora.LoraSpec | None = None,
 ) -> torch.nn.Module:
     """Load an HF causal LM and shard it with FSDP2: one `fully_shard` per decoder layer, then the root.
 
     Parameters are kept in float32; with `dtype=bfloat16` compute runs in bf16 and gradients are reduced in
     `reduce_dtype`. `packed` routes attention through app/trainer/packing.py (packed micro-batches); `compile_layers`
-    compiles the layers' RMSNorm and MLP (app/trainer/compiled.py). The model gets
+    compiles the layers' RMSNorm and MLP (app/trainer/compiled.py). `adapters` (LoRA) wraps the targeted linear
+    layers before sharding (app/trainer/lora.py): the base is frozen in `dtype`, the adapters train in float32.
+    The model gets
     a `relay_scored_logprobs` method (see `scored_logprobs`), registered as an FSDP2 forward method so that
     the root's parameters (embedding, final norm, output embedding) are gathered while it runs.
     """
@@ -56,6 +59,8 @@ def build_fsdp_model(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if adapters is not None:
+        _freeze_with_adapters(model, adapters, dtype)
     if packed:
         from app.trainer.packing import enable_packed_attention
 
@@ -87,6 +92,27 @@ def build_fsdp_model(
         for p in model.parameters():
             p.requires_grad_(False)
     return model
+
+
+def _freeze_with_adapters(model: torch.nn.Module, spec: lora.LoraSpec, dtype: str) -> None:
+    """LoRA: adapters on `spec.targets`, the base frozen and stored in the model dtype (no optimizer state,
+    no gradient; FSDP2 wants one dtype among the trainable parameters of a group only)."""
+    adapted = lora.apply_lora(model, spec)
+    base_dtype = getattr(torch, dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if not lora.is_adapter_param(n):
+                p.data = p.data.to(base_dtype)
+    n_train = sum(p.numel() for p in lora.trainable_params(model))
+    log.info(
+        "LoRA r=%d alpha=%g on %d layers (%s): %d trainable parameters of %d",
+        spec.rank,
+        spec.alpha,
+        len(adapted),
+        ",".join(spec.targets),
+        n_train,
+        sum(p.numel() for p in model.parameters()),
+    )
 
 
 def _dim0_sharded(p: Any) -> bool:
@@ -313,19 +339,22 @@ class Learner:
         self.gather_once = dist.is_initialized() and (
             t.gather_once == "on" or (t.gather_once == "auto" and self.world == 1)
         )
+        self.lora = lora.LoraSpec.from_config(cfg.model)  # None: full fine-tuning
         self.model = build_fsdp_model(
             model_path,
             cfg.model.dtype,
             device,
             t.activation_checkpointing,
             **{**build, "reshard_after_forward": t.reshard_after_forward and not self.gather_once},
+            adapters=self.lora,
         )
         self.ref = None
-        if cfg.algorithm.kl_coef > 0 and cfg.ref.workers == 0:  # else the reference workers send them
+        # the KL reference: the reference workers', or a frozen copy here; with LoRA the base itself (adapters off)
+        if cfg.algorithm.kl_coef > 0 and cfg.ref.workers == 0 and self.lora is None:
             self.ref = build_fsdp_model(model_path, cfg.model.dtype, device, train=False, **build)
         fused = t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and on_gpu)
         self.opt = torch.optim.AdamW(
-            self.model.parameters(),
+            lora.trainable_params(self.model),  # every parameter, or the adapters alone
             lr=t.lr,
             betas=tuple(t.betas),
             weight_decay=t.weight_decay,
@@ -486,6 +515,9 @@ class Learner:
             return torch.cat([vals, w_max[None]]).double()
 
     def _ref_logprobs(self, mb: dict[str, Any]) -> torch.Tensor:
+        if self.lora is not None:  # the base: the policy with its adapters off
+            with torch.no_grad(), lora.disabled(self.model):
+                return self.logprobs(self.model, mb)[0]
         if self.ref is not None:
             with torch.no_grad():
                 return self.logprobs(self.ref, mb)[0]
@@ -498,7 +530,9 @@ class Learner:
 
     def _optimizer_step(self) -> float:
         """Clip, step (unless the gradient is non-finite) and zero; returns the gradient norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            lora.trainable_params(self.model), self.cfg.train.grad_clip
+        )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
@@ -544,8 +578,13 @@ class Learner:
         return {param_name(n): p for n, p in self.model.named_parameters()}
 
     def push_specs(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(name, shape, dtype) of every pushed tensor: every parameter, or with LoRA the adapters alone
+        (`...q_proj.lora_A.weight`; the replica adds PEFT's `base_model.model.` prefix)."""
         dtype = self.cfg.model.dtype
-        return [(n, tuple(p.shape), dtype) for n, p in self.named_params().items()]
+        pushed = self.named_params().items()
+        if self.lora is not None:
+            pushed = [(n, p) for n, p in pushed if lora.is_adapter_param(n)]
+        return [(n, tuple(p.shape), dtype) for n, p in pushed]
 
     def gather(self, names: list[str], cast: bool = True) -> list[torch.Tensor]:
         """Full tensors for `names` (an FSDP2 all-gather per parameter: every rank calls this in lock-step), in
@@ -600,7 +639,9 @@ class Learner:
 
     def save_hf(self, path: str, tokenizer_path: str) -> None:
         """Full HF checkpoint (model + tokenizer) that vLLM can load, in `model.dtype` (the replicas' dtype;
-        the trainer keeps float32 master weights); collective, rank 0 writes."""
+        the trainer keeps float32 master weights); collective, rank 0 writes. With LoRA: the adapter in PEFT
+        format and the tokenizer, plus the merged model in `merged/` with `model.lora_merge`
+        (`save_adapter_export`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers import AutoTokenizer
 
@@ -610,7 +651,10 @@ class Learner:
             )
         else:
             sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if self.rank == 0:
+        if self.rank == 0 and self.lora is not None:
+            merge = self.cfg.model.dtype if self.cfg.model.lora_merge else None
+            save_adapter_export(path, tokenizer_path, sd, self.lora, merge_dtype=merge)
+        elif self.rank == 0:
             from transformers import AutoModelForCausalLM
 
             dtype = getattr(torch, self.cfg.model.dtype)
@@ -618,6 +662,30 @@ class Learner:
             cfg_model.load_state_dict({param_name(k): v.to(dtype) for k, v in sd.items()})
             cfg_model.save_pretrained(path, safe_serialization=True)
             AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+
+
+def save_adapter_export(
+    path: str,
+    base_path: str,
+    state: dict[str, torch.Tensor],
+    spec: lora.LoraSpec,
+    merge_dtype: str | None = None,
+) -> None:
+    """LoRA's final export: `path` is a PEFT adapter folder (adapter_config.json, adapter_model.safetensors,
+    the tokenizer) for `base_path`; with `merge_dtype`, `path/merged` is the base with the adapter merged in,
+    in that dtype: a plain HF folder vLLM loads alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sd = {param_name(k): v for k, v in state.items()}
+    lora.save_adapter(path, sd, spec, base_model=str(base_path))
+    tok = AutoTokenizer.from_pretrained(base_path)
+    tok.save_pretrained(path)
+    if merge_dtype is not None:
+        dtype = getattr(torch, merge_dtype)
+        model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in lora.merged_state_dict(sd, spec).items()})
+        model.save_pretrained(f"{path}/merged", safe_serialization=True)
+        tok.save_pretrained(f"{path}/merged")
 
 
 def staleness(batch: Batch, version: int) -> dict[str, float]:

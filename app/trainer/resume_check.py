@@ -189,6 +189,17 @@ def _compare_model(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
+def _compare_lora(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """LoRA's rank and targets shape what a checkpoint holds (the adapters and their optimizer state)."""
+    out = []
+    for key in ("lora_rank", "lora_targets"):
+        if key in old and old.get(key) != new.get(key, old[key]):
+            out.append(
+                f"model.{key}: the checkpoint was saved with {old[key]!r}, this run gives {new.get(key)!r}"
+            )
+    return out
+
+
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -202,6 +213,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def compare(saved: dict[str, Any], now: dict[str, Any]) -> Comparison:
     """What changed from the checkpoint's identity `saved` to this run's `now` (see `identity`)."""
     c = Comparison(model=_compare_model(saved.get("model", {}), now.get("model", {})))
+    c.model += _compare_lora(saved.get("config", {}).get("model", {}), now.get("config", {}).get("model", {}))
     old_train, new_train = saved.get("data", {}).get("train", {}), now.get("data", {}).get("train", {})
     if not _same(old_train, new_train, ("sha256", "path", "spec")):
         c.data.append(
@@ -213,6 +225,7 @@ def compare(saved: dict[str, Any], now: dict[str, Any]) -> Comparison:
             f"data.val: {_show(old_val)} -> {_show(new_val)} (validation rewards before and after differ)"
         )
     handled = ("model.path", "model.dtype", "data.train", "data.val", "data.train_weights")
+    handled += ("model.lora_rank", "model.lora_targets")
     a, b = _flat(saved.get("config", {})), _flat(now.get("config", {}))
     w_old, w_new = a.get("data.train_weights") or [], b.get("data.train_weights") or []
     if list(w_old) != list(w_new):  # another mixture: another sequence of epochs
