@@ -26,6 +26,15 @@ KEYS = [
 ]
 
 
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from app.trainer.learner import param_name
+
+    return {
+        param_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
 def _rank(rank: int, port: int, path: str, out: str, q) -> None:
     import torch.distributed as dist
 
@@ -38,16 +47,12 @@ def _rank(rank: int, port: int, path: str, out: str, q) -> None:
     try:
         torch.manual_seed(0)
         learner = Learner(load_config(None, KEYS), path, torch.device("cpu"))
-        full = lambda: {
-            param_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # noqa: E731
-            for n, p in learner.model.named_parameters()
-        }
-        before = full()
+        before = _full(learner.model)
         opt_ids = {id(p) for g in learner.opt.param_groups for p in g["params"]}
         trained = {param_name(n) for n, p in learner.model.named_parameters() if id(p) in opt_ids}
         m1 = learner.step(_batch())
         m2 = learner.step(_batch())
-        after = full()
+        after = _full(learner.model)
         specs = learner.push_specs()
         gathered = learner.gather([n for n, _, _ in specs])
         lp = learner.logprobs_of([3, 4, 5], [6, 7, 8])
@@ -56,10 +61,7 @@ def _rank(rank: int, port: int, path: str, out: str, q) -> None:
         torch.manual_seed(1)
         fresh = Learner(load_config(None, KEYS), path, torch.device("cpu"))
         checkpoint.load(fresh, Path(out, "ckpt"), rank)
-        restored = {
-            param_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in fresh.model.named_parameters()
-        }
+        restored = _full(fresh.model)
         same_opt = (
             all(
                 torch.equal(sa["exp_avg"].full_tensor(), sb["exp_avg"].full_tensor())
