@@ -189,6 +189,9 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)  # strings that end a response (its tokens are kept)
     seed: int | None = None
     ignore_eos: bool = False
+    adapter: int | None = None
+    """LoRA: the adapter version to generate with; None: the newest the replica holds when it admits the
+    request (every token then carries that version)."""
 
 
 @dataclass(kw_only=True)

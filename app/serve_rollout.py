@@ -57,6 +57,7 @@ class RolloutServer:
         control: str | None = None,
         recompute_kv: bool = True,
         drain_timeout_s: float = 120.0,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         import ray
 
@@ -83,6 +84,7 @@ class RolloutServer:
             poll_s=poll_s,
             metrics=self.metrics,
             started=self.started,
+            lora=lora,
         )
         await self.sync.start(join_timeout_s)
 
@@ -118,24 +120,30 @@ class RolloutServer:
         )
 
     async def _generate(self, req: GenerateRequest) -> list[dict[str, Any]]:
-        """The samples, tagged with the version this replica holds when the request enters the engine."""
-        return await vla.generate(
-            self.engine,
-            list(req.prompt_ids),
-            n=req.n,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=list(req.stop),
-            version=self.version,
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
-        )
+        """The samples, tagged with the version this replica holds when the request enters the engine (with
+        LoRA: generated with, and tagged with, the adapter it was admitted under, `req.adapter` or the newest)."""
+        async with self.sync.adapter(req.adapter) as adapter:
+            return await vla.generate(
+                self.engine,
+                list(req.prompt_ids),
+                n=req.n,
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                stop=list(req.stop),
+                version=self.version,
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+                adapter=adapter,
+            )
 
     async def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
-        lps = await vla.completion_logprobs(self.engine, prompt_ids, completion_ids)
-        return {"logprobs": lps, "version": self.version, "replica": self.replica_id}
+        """Log-probs of a fixed completion under this replica's newest weights (base + adapter, with LoRA)."""
+        async with self.sync.adapter() as adapter:
+            lps = await vla.completion_logprobs(self.engine, prompt_ids, completion_ids, adapter)
+            version = adapter.version if adapter is not None else self.version
+        return {"logprobs": lps, "version": version, "replica": self.replica_id}
 
     async def loaded_checksums(self) -> dict[str, Any]:
         """For each tensor of the last push, the checksum of what the engine holds in its place (each worker's
@@ -202,6 +210,7 @@ def build_app(cfg, model_path: str):
         seed=cfg.seed,
         use_gpu=use_gpu,
         cuda_graphs=r.cuda_graphs,
+        lora_rank=cfg.model.lora_rank,
     )
     opts: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
@@ -239,4 +248,21 @@ def build_app(cfg, model_path: str):
         control=control_name(cfg.ray.name),
         recompute_kv=r.recompute_kv,
         drain_timeout_s=r.request_timeout_s,  # partial=off: requests inside finish first, each within this
+        lora=adapter_spec(cfg, model_path),
     )
+
+
+def adapter_spec(cfg: Any, model_path: str) -> dict[str, Any] | None:
+    """What a replica writes into each pushed adapter's adapter_config.json (None without LoRA)."""
+    from app.trainer.lora import LoraSpec
+
+    spec = LoraSpec.from_config(cfg.model)
+    if spec is None:
+        return None
+    return {
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "dropout": spec.dropout,
+        "targets": list(spec.targets),
+        "base_model": model_path,
+    }

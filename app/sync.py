@@ -50,6 +50,13 @@ A weight load and an abort never overlap (one lock). Version-gated join: a repli
 under way is admitted (its `start` returns) only after it received and verified the current weights.
 With `rollout.partial=off` a push drains the replica first (`GenerationGate`): requests already inside finish
 under the old weights, samples of theirs that vLLM queued behind `max_num_seqs` included, and new ones wait.
+
+LoRA (`model.lora_rank > 0`, `rollout.partial=finish_on_old`): the trainer pushes the adapter tensors alone
+(`Learner.push_specs`), with the same plan, version and checksums. A replica never pauses: its workers receive
+the adapter and write it as a PEFT folder, the engine adds it as the adapter of version v beside the older
+ones (vLLM `add_lora`, id v + 1), new requests take it, requests in flight finish on the adapter they were
+admitted under (so every token of a sample carries one version), and an older adapter is removed once no
+request uses it (app/vllm/adapters.py). The acknowledgement carries the adapter tensors' checksums.
 The engine is reached only through app/vllm/engine.py.
 """
 
@@ -58,8 +65,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -67,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 from app.infra.ray_compat import current_actor
 from app.trainer.comm import bcast, first_error
 from app.vllm import engine as vla
+from app.vllm.adapters import Adapter, AdapterBook
 from app.weights.buckets import plan_buckets
 from app.weights.group import free_port, resolve_backend
 from app.weights.hub import check_acks
@@ -453,8 +464,15 @@ class ReplicaSync:
         poll_s: float = 2.0,
         metrics: Any = None,
         started: float | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         self.engine, self.replica_id, self.hub = engine, replica_id, hub
+        # LoRA (rollout.partial=finish_on_old): the LoraSpec of the pushed adapters, as a dict, and the adapters
+        # this replica holds (app/vllm/adapters.py), each a PEFT folder under adapter_root
+        self.lora = lora
+        self.adapters = AdapterBook()
+        self.adapter_root = tempfile.mkdtemp(prefix="relay-lora-") if lora else ""
+        self.pushes = 0
         self.control_name, self.control = control, None
         self.partial, self.recompute_kv = partial, recompute_kv
         self.gate = GenerationGate()  # partial=off: a push drains the replica first
@@ -532,6 +550,8 @@ class ReplicaSync:
         for t in self.tasks:
             with contextlib.suppress(Exception):
                 t.cancel()
+        if self.adapter_root:
+            shutil.rmtree(self.adapter_root, ignore_errors=True)
 
     async def _engine_alive(self) -> bool:
         """False once the engine died (its EngineCore process killed by the OOM killer, or crashed). The
@@ -641,34 +661,14 @@ class ReplicaSync:
         return self.gate.drained(self.drain_timeout_s, f"replica {self.replica_id}, push of v{version}")
 
     async def _receive(self, plan: PushPlan, announced_at: float = 0.0) -> None:
-        """Pause, receive and load in every worker, set the version, resume, acknowledge. The acknowledgement
-        carries each phase's seconds (`phases`): wake (announcement to here), drain, pause, receive (the
-        workers' RPC: transfer and load inside it), version, resume, and held (generation paused)."""
-        t0 = time.perf_counter()
+        """Receive and load the push (`_load_weights`, or `_load_adapter` with LoRA), acknowledge with the
+        checksums and each phase's seconds (see those two)."""
         ph: dict[str, float] = {"wake_s": max(0.0, time.time() - announced_at) if announced_at else 0.0}
         try:
-            async with self._drained(plan.version):
-                t1 = time.perf_counter()
-                await vla.pause(self.engine, self.partial, self.recompute_kv)
-                t2 = time.perf_counter()
-                try:
-                    res = await vla.rpc(
-                        self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan)
-                    )
-                finally:
-                    t3 = time.perf_counter()
-                    await self._set_version(plan.version)
-                    t4 = time.perf_counter()
-                    await vla.resume(self.engine)
-                    t5 = time.perf_counter()
+            load = self._load_adapter if self.lora else self._load_weights
+            res = await load(plan, ph)
             self.admitted.set()
             ph.update(
-                drain_s=t1 - t0,
-                pause_s=t2 - t1,
-                receive_s=t3 - t2,
-                version_s=t4 - t3,
-                resume_s=t5 - t4,
-                held_s=t5 - t1,
                 transfer_s=max(r["transfer_s"] for r in res),
                 load_s=max(r["load_s"] for r in res),
                 worker_s=max(r["receive_s"] for r in res),
@@ -685,3 +685,81 @@ class ReplicaSync:
             with contextlib.suppress(Exception):
                 await self.hub.ack.remote(self.replica_id, "push", plan.version, Ack(ok=False, error=str(e)))
             self.epoch = -1  # rejoin at the next epoch
+
+    async def _load_adapter(self, plan: PushPlan, ph: dict[str, float]) -> list[dict[str, Any]]:
+        """LoRA, `finish_on_old`: no pause at all. The workers receive the adapter and write it as a PEFT folder;
+        the engine adds it beside the older ones as version v, new requests take it, requests in flight finish
+        on theirs, and older adapters no request uses are removed. Phases: receive (the workers' RPC), add
+        (vLLM loads the folder), held 0 (generation never paused)."""
+        self.pushes += 1
+        path = os.path.join(self.adapter_root, f"v{plan.version}-{self.pushes}")
+        t0 = time.perf_counter()
+        res = await vla.rpc(
+            self.engine,
+            "relay_receive",
+            timeout=None,
+            plan_json=plan_to_json(plan),
+            adapter_dir=path,
+            adapter_json=json.dumps(self.lora),
+        )
+        t1 = time.perf_counter()
+        adapter = Adapter(plan.version, path)
+        await vla.add_adapter(self.engine, adapter)
+        t2 = time.perf_counter()
+        unused = self.adapters.publish(adapter)
+        self.version = plan.version
+        if self.metrics is not None:
+            self.metrics.set("relay_replica_weight_version", plan.version, {"replica": self.replica_id})
+        await self._retire(unused)
+        ph.update(receive_s=t1 - t0, add_s=t2 - t1, pause_s=0.0, held_s=0.0)
+        return res
+
+    @contextlib.asynccontextmanager
+    async def adapter(self, version: int | None = None) -> AsyncIterator[Adapter | None]:
+        """The LoRA adapter a generation request uses from admission to its end (None without LoRA, and before
+        the first push); old adapters it was the last user of are removed after it."""
+        if not self.lora:
+            yield None
+            return
+        unused: list[Adapter] = []
+        try:
+            with self.adapters.using(version) as (held, unused):
+                yield held
+        finally:
+            await self._retire(unused)
+
+    async def _retire(self, adapters: list[Adapter]) -> None:
+        """Remove adapters no request uses from the engine and their folders from disk (a failure is logged:
+        the engine's adapter cache then evicts it)."""
+        for a in adapters:
+            try:
+                await vla.remove_adapter(self.engine, a)
+            except Exception as e:
+                log.warning("replica %s: removing adapter %s failed: %r", self.replica_id, a.name, e)
+            shutil.rmtree(a.path, ignore_errors=True)
+
+    async def _load_weights(self, plan: PushPlan, ph: dict[str, float]) -> list[dict[str, Any]]:
+        """Pause, receive and load in every worker, set the version, resume. Phases: drain, pause, receive (the
+        workers' RPC: transfer and load inside it), version, resume, and held (generation paused)."""
+        t0 = time.perf_counter()
+        async with self._drained(plan.version):
+            t1 = time.perf_counter()
+            await vla.pause(self.engine, self.partial, self.recompute_kv)
+            t2 = time.perf_counter()
+            try:
+                res = await vla.rpc(self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan))
+            finally:
+                t3 = time.perf_counter()
+                await self._set_version(plan.version)
+                t4 = time.perf_counter()
+                await vla.resume(self.engine)
+                t5 = time.perf_counter()
+        ph.update(
+            drain_s=t1 - t0,
+            pause_s=t2 - t1,
+            receive_s=t3 - t2,
+            version_s=t4 - t3,
+            resume_s=t5 - t4,
+            held_s=t5 - t1,
+        )
+        return res

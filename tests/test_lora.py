@@ -219,3 +219,45 @@ def test_config_lora_defaults_to_finish_on_old():
         "up_proj",
         "down_proj",
     )
+
+
+# ---------------------------------------------------------------- the replica's adapters (finish_on_old)
+
+
+def test_adapter_book_keeps_old_adapters_while_requests_use_them():
+    from app.vllm.adapters import Adapter, AdapterBook
+
+    book = AdapterBook()
+    assert book.acquire() is None  # before the first push: the base model
+    assert book.publish(Adapter(0, "/a/v0")) == []
+    first = book.acquire()  # admitted under v0 ...
+    assert first == Adapter(0, "/a/v0") and first.lora_id == 1 and first.name == "relay-v0"
+    assert book.publish(Adapter(1, "/a/v1")) == []  # ... so v0 stays while v1 is published
+    second = book.acquire()
+    assert second.version == 1 and sorted(book.held) == [0, 1]
+    assert book.release(second) == []  # v1 is the newest: never removed
+    assert book.release(first) == [Adapter(0, "/a/v0")]  # v0's last user finished: remove it
+    assert sorted(book.held) == [1]
+    # a push while nothing uses the old one removes it at once
+    assert book.publish(Adapter(2, "/a/v2")) == [Adapter(1, "/a/v1")]
+    with pytest.raises(KeyError, match=r"adapter version 1 is not held by this replica \(held: \[2\]\)"):
+        book.acquire(1)
+    with book.using(2) as (held, unused):
+        assert held.version == 2 and book.users == {2: 1}
+        book.publish(Adapter(3, "/a/v3"))
+    assert unused == [Adapter(2, "/a/v2")] and book.users == {}
+
+
+def test_engine_needs_add_lora_for_finish_on_old():
+    from app.vllm import engine as vla
+
+    class Engine:
+        def collective_rpc(self): ...
+        def pause_generation(self, mode="keep"): ...
+        def resume_generation(self): ...
+        def update_weight_version(self): ...
+
+    with pytest.raises(vla.EngineCapabilityError, match="lacks add_lora.*rollout.partial=finish_on_old"):
+        vla.check_capabilities(Engine, "finish_on_old")
+    Engine.add_lora = Engine.remove_lora = lambda self: None
+    vla.check_capabilities(Engine, "finish_on_old")

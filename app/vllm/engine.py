@@ -13,7 +13,10 @@ import logging
 import os
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.vllm.adapters import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ def _capabilities(engine_cls: type) -> dict[str, bool]:
         "pause_generation(mode=...)": pause_modes,
         # native spans (0.29+), or boundaries the adapter records at each keep-mode pause (0.26: `_Book`)
         "update_weight_version": hasattr(engine_cls, "update_weight_version") or _bookable(engine_cls),
+        "add_lora": hasattr(engine_cls, "add_lora") and hasattr(engine_cls, "remove_lora"),
     }
 
 
@@ -59,8 +63,8 @@ def check_capabilities(engine_cls: type, partial: str) -> None:
     requests across a load, so their tokens need per-token versions: `update_weight_version` (whose spans
     label each token with the version that sampled it).
     """
-    if partial not in PAUSE_MODES:
-        raise ValueError(f"rollout.partial={partial!r}: use one of {sorted(PAUSE_MODES)}")
+    if partial not in (*PAUSE_MODES, "finish_on_old"):
+        raise ValueError(f"rollout.partial={partial!r}: use one of {sorted(PAUSE_MODES)} or finish_on_old")
     have = _capabilities(engine_cls)
     fixes = {
         "collective_rpc": "use vLLM >= 0.10 (Relay pins 0.32)",
@@ -68,10 +72,13 @@ def check_capabilities(engine_cls: type, partial: str) -> None:
         "pause_generation(mode=...)": "use vLLM >= 0.26 (pause modes keep/abort/wait; Relay pins 0.32)",
         "update_weight_version": "use vLLM >= 0.29 (per-token weight-version spans), or set "
         "rollout.partial=resubmit or rollout.partial=off (no request then spans two versions)",
+        "add_lora": "use a vLLM whose AsyncLLM has add_lora/remove_lora (Relay pins 0.32)",
     }
     needed = ["collective_rpc", "pause_generation", "pause_generation(mode=...)"]
     if partial == "keep":
         needed.append("update_weight_version")
+    if partial == "finish_on_old":  # LoRA: each push adds an adapter beside the old ones
+        needed.append("add_lora")
     missing = [c for c in needed if not have[c]]
     if missing:
         name = f"{engine_cls.__module__}.{engine_cls.__qualname__}"
@@ -102,9 +109,12 @@ def create_engine(
     use_gpu: bool = False,
     partial: str = "keep",
     cuda_graphs: bool = False,
+    lora_rank: int = 0,
+    max_loras: int = 4,
 ) -> Any:
     """An AsyncLLM with our worker extension, behaviour log-probs after temperature; eager mode unless
     `cuda_graphs` on a GPU (weights load in place, so captured graphs stay valid across pushes).
+    `lora_rank > 0` enables LoRA: up to `max_loras` adapters (versions) in one batch, twice that held.
 
     Raises EngineCapabilityError before starting anything when the engine cannot serve `rollout.partial`.
     """
@@ -124,10 +134,53 @@ def create_engine(
     )
     if use_gpu:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if lora_rank > 0:
+        kwargs.update(_lora_args(lora_rank, max_loras))
     fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
     if "logprobs_mode" in fields:
         kwargs["logprobs_mode"] = "processed_logprobs"
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+def _lora_args(rank: int, max_loras: int) -> dict[str, Any]:
+    """Engine arguments for adapters of rank `rank`: vLLM takes a `max_lora_rank` from a fixed set of sizes."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    sizes = sorted(int(r) for r in get_args(MaxLoRARanks))
+    fits = [r for r in sizes if r >= rank]
+    if not fits:
+        raise EngineCapabilityError(
+            f"model.lora_rank={rank}: this vLLM serves adapters of rank <= {sizes[-1]}"
+        )
+    return {
+        "enable_lora": True,
+        "max_lora_rank": fits[0],
+        "max_loras": max_loras,
+        "max_cpu_loras": 2 * max_loras,
+    }
+
+
+def _lora_request(adapter: Adapter | None) -> Any:
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, adapter.path)
+
+
+async def add_adapter(engine: Any, adapter: Adapter) -> None:
+    """Load the PEFT folder `adapter.path` into the engine as `adapter` (replacing one of that id, if held)."""
+    from vllm.lora.request import LoRARequest
+
+    req = LoRARequest(adapter.name, adapter.lora_id, adapter.path, load_inplace=True)
+    if not await engine.add_lora(req):
+        raise RuntimeError(f"vLLM refused adapter {adapter.name} from {adapter.path}")
+
+
+async def remove_adapter(engine: Any, adapter: Adapter) -> None:
+    await engine.remove_lora(adapter.lora_id)
 
 
 def _seeded_sampling_ok() -> bool:
@@ -215,11 +268,13 @@ async def generate(
     ignore_eos: bool = False,
     top_k: int = 0,
     stop: list[str] | None = None,
+    adapter: Adapter | None = None,
 ) -> list[dict[str, Any]]:
     """Token-in/token-out sampling. Each sample: token_ids, logprobs (of the sampled tokens), finish_reason,
     versions (one per token: native per-token version spans where vLLM has them, else the replica's).
     `top_k` 0 is off; `stop` strings end a response (vLLM checks them on the detokenized text, so only a
-    request with stop strings is detokenized; the tokens that produced the string stay in the sample)."""
+    request with stop strings is detokenized; the tokens that produced the string stay in the sample). With
+    a LoRA `adapter` every token is sampled by it: each carries its version."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -240,17 +295,22 @@ async def generate(
     )
     final, request_id, book = None, uuid.uuid4().hex, _book(engine)
     try:
-        async for out in engine.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+        prompt = {"prompt_token_ids": list(prompt_ids)}
+        async for out in engine.generate(prompt, params, request_id, lora_request=_lora_request(adapter)):
             final = out
         if final is None:
             raise RuntimeError("vLLM returned no output for a generation request")
+        if adapter is not None:
+            return _samples(final, adapter.version, None, request_id, one_version=True)
         return _samples(final, version, book, request_id)
     finally:
         if book is not None:
             book.forget(request_id)
 
 
-def _samples(final: Any, version: int, book: _Book | None, request_id: str) -> list[dict[str, Any]]:
+def _samples(
+    final: Any, version: int, book: _Book | None, request_id: str, one_version: bool = False
+) -> list[dict[str, Any]]:
     samples = []
     for comp in final.outputs:
         ids = list(comp.token_ids)
@@ -265,7 +325,9 @@ def _samples(final: Any, version: int, book: _Book | None, request_id: str) -> l
                 "logprobs": lps,
                 "finish_reason": comp.finish_reason or "unknown",
                 "versions": (
-                    book.versions(request_id, int(getattr(comp, "index", 0) or 0), len(ids), version)
+                    [version] * len(ids)
+                    if one_version
+                    else book.versions(request_id, int(getattr(comp, "index", 0) or 0), len(ids), version)
                     if book is not None
                     else _spans_to_versions(getattr(comp, "weight_versions", None), len(ids), version)
                 ),
@@ -274,8 +336,11 @@ def _samples(final: Any, version: int, book: _Book | None, request_id: str) -> l
     return samples
 
 
-async def completion_logprobs(engine, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """Log-probs the current weights assign to a fixed completion (raw model, temperature 1)."""
+async def completion_logprobs(
+    engine, prompt_ids: list[int], completion_ids: list[int], adapter: Adapter | None = None
+) -> list[float]:
+    """Log-probs the current weights (base + LoRA `adapter`) assign to a fixed completion (raw model,
+    temperature 1)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -288,7 +353,10 @@ async def completion_logprobs(engine, prompt_ids: list[int], completion_ids: lis
         detokenize=False,
     )
     final = None
-    async for out in engine.generate({"prompt_token_ids": ids}, params, uuid.uuid4().hex):
+    lora_request = _lora_request(adapter)
+    async for out in engine.generate(
+        {"prompt_token_ids": ids}, params, uuid.uuid4().hex, lora_request=lora_request
+    ):
         final = out
     plp = final.prompt_logprobs
     start = len(prompt_ids)

@@ -53,7 +53,9 @@ class RelayWorkerExtension:
         self._relay_transport = transport
         return {"rank": rank, "join_s": time.perf_counter() - t0}
 
-    def relay_receive(self, plan_json: str, load: str | None = None) -> dict[str, Any]:
+    def relay_receive(
+        self, plan_json: str, load: str | None = None, adapter_dir: str | None = None, adapter_json: str = ""
+    ) -> dict[str, Any]:
         """Receive and load one push; returns the per-bucket checksums, timings and how it loaded.
 
         `load` (None: decide here): `layerwise` wraps `load_weights` in vLLM's layerwise reload, needed where
@@ -61,11 +63,16 @@ class RelayWorkerExtension:
         `.weight`, so a plain load_weights crashes; quantized layers repack). Unquantized weights on a GPU
         skip it (its bookkeeping was 120-140 ms of a 1.5B push): `slots` copies each tensor straight into
         its place (app/vllm/fast_load.py) where the model keeps its parameters whole, else `weights` calls
-        `load_weights`."""
+        `load_weights`.
+
+        `adapter_dir` (LoRA): the pushed tensors are a LoRA adapter (`adapter_json`: its LoraSpec); they are
+        written to that folder in PEFT format (`receive_adapter`) and the model is left as it is."""
         transport = getattr(self, "_relay_transport", None)
         if transport is None:
             raise RuntimeError("relay_receive before relay_join: this worker is not in the weight group")
         plan = plan_from_json(plan_json)
+        if adapter_dir is not None:
+            return self._relay_receive_adapter(transport, plan, adapter_dir, adapter_json)
         self._relay_pushed = {t.name: (tuple(t.shape), t.dtype) for b in plan.buckets for t in b.tensors}
         model = self.get_model()
         if load is None:
@@ -78,6 +85,28 @@ class RelayWorkerExtension:
         with self._relay_reload(model, load == "layerwise"):
             checksums, timing = transport.receive(plan, loader, self._relay_device())
         return {"checksums": checksums, **timing, "load": load, "receive_s": time.perf_counter() - t0}
+
+    def _relay_receive_adapter(self, transport: Any, plan: Any, adapter_dir: str, adapter_json: str) -> dict:
+        """Receive an adapter push into host memory and write it as a PEFT folder (worker rank 0; every
+        tensor-parallel worker receives the same tensors, and vLLM loads the folder itself)."""
+        import json
+
+        from app.trainer.lora import LoraSpec, save_adapter
+
+        received: dict[str, torch.Tensor] = {}
+
+        def keep(items: list) -> None:
+            for name, t in items:  # views into the bucket's buffer: copied out
+                received[name] = t.detach().to("cpu", copy=True)
+
+        t0 = time.perf_counter()
+        checksums, timing = transport.receive(plan, keep, self._relay_device())
+        if int(getattr(self, "rank", 0) or 0) == 0:
+            d = json.loads(adapter_json)
+            spec = LoraSpec(d["rank"], d["alpha"], d.get("dropout", 0.0), tuple(d["targets"]))
+            save_adapter(adapter_dir, received, spec, base_model=d.get("base_model", ""))
+        out = {"checksums": checksums, **timing, "load": "adapter", "receive_s": time.perf_counter() - t0}
+        return out | {"path": adapter_dir}
 
     def _relay_needs_reload(self) -> bool:
         quantized = getattr(getattr(self, "model_config", None), "quantization", None) is not None
