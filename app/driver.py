@@ -98,6 +98,10 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
     else:
         model_path = resolve_model_path(model_path)  # a folder (`~` expanded) or a hub id
     check_context(cfg, model_path)
+    if cfg.model.lora_rank > 0:  # an unknown target fails here, naming the model's linear layers
+        from app.trainer.lora import check_model_targets, parse_targets
+
+        check_model_targets(model_path, parse_targets(cfg.model.lora_targets))
     return Inputs(str(Path(model_path).resolve()), train, val, columns)
 
 

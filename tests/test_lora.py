@@ -261,3 +261,24 @@ def test_engine_needs_add_lora_for_finish_on_old():
         vla.check_capabilities(Engine, "finish_on_old")
     Engine.add_lora = Engine.remove_lora = lambda self: None
     vla.check_capabilities(Engine, "finish_on_old")
+
+
+def test_model_targets_are_checked_on_the_model_before_anything_starts(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    lora.check_model_targets(str(tmp_path), ["q_proj", "down_proj"])
+    with pytest.raises(
+        ValueError,
+        match="unknown target\\(s\\) qkv_proj; this model's linear layers are down_proj, "
+        "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj",
+    ):
+        lora.check_model_targets(str(tmp_path), ["qkv_proj"])

@@ -124,6 +124,16 @@ def check_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) -> Non
         )
 
 
+def check_model_targets(model_path: str, targets: tuple[str, ...] | list[str]) -> None:
+    """`check_targets` for the HF model at `model_path`, built without weights (on the meta device): refuses
+    an unknown target before Ray starts, naming the model's linear layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    check_targets(model, targets)
+
+
 def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
     """Replace every linear layer named in `spec.targets` by a `LoraLinear` and freeze everything else.
 
