@@ -711,7 +711,8 @@ class ReplicaSync:
         if self.metrics is not None:
             self.metrics.set("relay_replica_weight_version", plan.version, {"replica": self.replica_id})
         await self._retire(unused)
-        ph.update(receive_s=t1 - t0, add_s=t2 - t1, pause_s=0.0, held_s=0.0)
+        on_old = sum(n for v, n in self.adapters.users.items() if v != plan.version)
+        ph.update(receive_s=t1 - t0, add_s=t2 - t1, pause_s=0.0, held_s=0.0, on_old=float(on_old))
         return res
 
     @contextlib.asynccontextmanager

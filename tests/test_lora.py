@@ -282,3 +282,15 @@ def test_model_targets_are_checked_on_the_model_before_anything_starts(tmp_path)
         "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj",
     ):
         lora.check_model_targets(str(tmp_path), ["qkv_proj"])
+
+
+def test_push_metrics_count_requests_that_finished_on_an_old_adapter():
+    from app.trainer.step_metrics import push_metrics
+    from app.weights.records import PushStats
+
+    push = PushStats(version=3, nbytes=100)
+    push.extra = {"r0": {"held_s": 0.0, "on_old": 3.0}, "r1": {"held_s": 0.0, "on_old": 2.0}}
+    m = push_metrics(push, step=3)
+    assert m["sync/requests_on_old"] == 5.0 and m["sync/pause_s"] == 0.0
+    push.extra = {"r0": {"held_s": 0.2}}  # full weights: no such count
+    assert "sync/requests_on_old" not in push_metrics(push, step=3)

@@ -107,6 +107,9 @@ def push_metrics(push: PushStats, step: int) -> dict[str, float]:
         "rollout/replicas": float(len(extra)),
     }
     m.update({f"sync/replica/{p}": v for p, v in push.replica_phases().items()})
+    on_old = [x["on_old"] for x in extra if "on_old" in x]
+    if on_old:  # LoRA, finish_on_old: requests in flight that went on with an older adapter through the push
+        m["sync/requests_on_old"] = float(sum(on_old))
     joins = [x["join_s"] for x in extra if "join_s" in x]
     if joins and step > 1:  # a replica admitted mid-run (the initial ones join at version 0)
         m["rollout/join_s"] = max(joins)

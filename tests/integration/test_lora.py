@@ -30,8 +30,10 @@ def test_lora_fully_async_pushes_adapters_without_a_pause(ray_cluster, cache_dir
         "train.steps=3",
         "train.batch_groups=4",
         "rollout.n=4",
-        "rollout.max_tokens=24",  # long generations (EOS ignored): pushes land while samples are generating
+        # long generations (EOS ignored), few decoded at once: pushes land while samples are generating
+        "rollout.max_tokens=48",
         "rollout.ignore_eos=true",
+        "rollout.max_num_seqs=4",
         "rollout.max_inflight=6",
         "data.val_size=8",
         "algorithm.val_every=2",
@@ -58,6 +60,8 @@ def test_lora_fully_async_pushes_adapters_without_a_pause(ray_cluster, cache_dir
     adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     assert set(history("sync/bytes")) == {float(adapter_bytes)}
     assert history("sync/pause_s") and max(history("sync/pause_s")) == 0.0
+    # pushes landed while requests were in flight: those finished on the adapter they were admitted under
+    assert max(history("sync/requests_on_old")) > 0
     # finish_on_old: every sample's tokens carry one version (the adapter it was admitted under), and
     # staleness counts them
     trained = [json.loads(x) for x in (tmp_path / name / "trained_groups.jsonl").read_text().splitlines()]
