@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,15 @@ def _rank(rank: int, port: int, path: str, out: str, q) -> None:
         specs = learner.push_specs()
         gathered = learner.gather([n for n, _, _ in specs])
         lp = learner.logprobs_of([3, 4, 5], [6, 7, 8])
-        checkpoint.save(learner, Path(out, "ckpt"), rank, {"step": 2}, {"epoch": 0} if rank == 0 else None)
+        # each rank writes its part into its own folder, merged into one afterwards (as Ray Train does)
+        checkpoint.save(
+            learner, Path(out, f"ckpt-r{rank}"), rank, {"step": 2}, {"epoch": 0} if rank == 0 else None
+        )
+        dist.barrier()
+        if rank == 0:
+            for r in range(2):
+                shutil.copytree(Path(out, f"ckpt-r{r}"), Path(out, "ckpt"), dirs_exist_ok=True)
+        dist.barrier()
         learner.save_hf(str(Path(out, "final")), path)
         torch.manual_seed(1)
         fresh = Learner(load_config(None, KEYS), path, torch.device("cpu"))

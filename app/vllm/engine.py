@@ -162,12 +162,13 @@ def _lora_args(rank: int, max_loras: int) -> dict[str, Any]:
     }
 
 
-def _lora_request(adapter: Adapter | None) -> Any:
+def _lora_kwargs(adapter: Adapter | None) -> dict[str, Any]:
+    """`generate`'s keyword for a LoRA adapter (none without one: the base model, as before LoRA)."""
     if adapter is None:
-        return None
+        return {}
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest(adapter.name, adapter.lora_id, adapter.path)
+    return {"lora_request": LoRARequest(adapter.name, adapter.lora_id, adapter.path)}
 
 
 async def add_adapter(engine: Any, adapter: Adapter) -> None:
@@ -296,7 +297,7 @@ async def generate(
     final, request_id, book = None, uuid.uuid4().hex, _book(engine)
     try:
         prompt = {"prompt_token_ids": list(prompt_ids)}
-        async for out in engine.generate(prompt, params, request_id, lora_request=_lora_request(adapter)):
+        async for out in engine.generate(prompt, params, request_id, **_lora_kwargs(adapter)):
             final = out
         if final is None:
             raise RuntimeError("vLLM returned no output for a generation request")
@@ -353,9 +354,8 @@ async def completion_logprobs(
         detokenize=False,
     )
     final = None
-    lora_request = _lora_request(adapter)
     async for out in engine.generate(
-        {"prompt_token_ids": ids}, params, uuid.uuid4().hex, lora_request=lora_request
+        {"prompt_token_ids": ids}, params, uuid.uuid4().hex, **_lora_kwargs(adapter)
     ):
         final = out
     plp = final.prompt_logprobs
