@@ -43,7 +43,10 @@ def record(step: int, trained_at: int, g: Group, s: Sample) -> dict[str, Any]:
         "answer": g.answer,
         "reward": s.reward,
         "reward_error": s.reward_error,
-        "sub_scores": {**s.reward_extras, **s.reward_scores},  # the reward function's extras, reward.fns' scores
+        "sub_scores": {
+            **s.reward_extras,
+            **s.reward_scores,
+        },  # the reward function's extras, reward.fns' scores
         "finish_reason": s.finish_reason,
         "tokens": len(s.token_ids),
         "versions": version_spans(list(s.versions)),
