@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from app.weights.broadcast import BroadcastTransport
-from app.weights.buckets import checksum
-from app.weights.records import GroupInfo
+from app.weights.buckets import _checksum_sums, checksum, plan_buckets, walk_buckets
+from app.weights.records import Bucket, GroupInfo, PushStats, SyncError
 from app.weights.transport import TRANSPORTS, register_transport, transport_class
 from tests.test_sync import _push
 
@@ -51,3 +52,43 @@ def test_push_through_a_toy_transport_is_bit_exact():
     # and what arrived is exactly what was sent: per bucket (what a replica acknowledges) and per tensor
     assert got["version"] == 7 and got["checksums"] == stats.checksums
     assert got["per_tensor"] == {n: checksum(t) for n, t in state.items()}
+
+
+class _FailingSender:
+    """A transport's sending side that fails at bucket `fail_at` (the walk's contract, without a group)."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.sent, self.finished = fail_at, [], False
+
+    def send(self, bucket: Bucket, tensors: list[torch.Tensor], stats: PushStats) -> torch.Tensor:
+        if bucket.index == self.fail_at:
+            raise RuntimeError("peer gone")
+        self.sent.append(bucket.index)
+        return _checksum_sums(torch.cat([t.reshape(-1) for t in tensors]))
+
+    def finish(self, stats: PushStats) -> None:
+        self.finished = True
+
+
+def test_walk_gathers_every_bucket_on_every_rank_and_raises_a_send_failure_after_the_walk():
+    state = {f"w{i}": torch.full((4,), float(i)) for i in range(4)}
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in state.items()], 16, version=3)
+    assert len(plan.buckets) == 4
+    gathered: list[list[str]] = []
+
+    def gather(names: list[str]) -> list[torch.Tensor]:
+        gathered.append(names)
+        return [state[n] for n in names]
+
+    sender = _FailingSender(fail_at=1)
+    with pytest.raises(SyncError, match="v3 failed in the toy: peer gone"):
+        walk_buckets(plan, gather, sender, "toy")
+    assert (
+        len(gathered) == 4 and sender.sent == [0] and sender.finished
+    )  # no send after a failure; finish still runs
+    gathered.clear()
+    stats = walk_buckets(plan, gather, None, "toy")  # a rank without a sender gathers, sends nothing
+    assert len(gathered) == 4 and stats.checksums == [] and stats.buckets == 4
+    ok = _FailingSender(fail_at=-1)
+    stats = walk_buckets(plan, gather, ok, "toy")
+    assert ok.sent == [0, 1, 2, 3] and stats.checksums == [checksum(t) for t in state.values()]

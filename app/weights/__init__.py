@@ -3,7 +3,7 @@ otherwise; nothing here imports vLLM or Ray at import time.
 
     records.py    plans, group epochs, PushStats, hub instructions (Join | Push | Leave | Unknown | Idle),
                   run-control instructions (Abort | Idle), acknowledgements (Ack, Acks with `missing`)
-    buckets.py    bucket planning, packing, checksums
+    buckets.py    bucket planning, packing, checksums; `walk_buckets`, the trainer's walk every transport sends on
     group.py      the stateless process group of one epoch (gloo / NCCL, deadlines, NCCL abort)
     transport.py  the data-plane seam: `WeightTransport` and its registry (`sync.transport`)
     broadcast.py  the bucketed broadcast transport ("broadcast", the default)

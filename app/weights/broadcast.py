@@ -1,8 +1,9 @@
 """The bucketed broadcast transport: each flat bucket is one broadcast from rank 0 over a `StatelessGroup`.
 
 Rank 0 checksums a bucket while it is in flight; receivers checksum and load bucket k while bucket k+1 is in
-flight. `send_buckets`/`receive_buckets` are the walk; `start` (one broadcast per bucket here) is the only part a
-variant of this transport needs to change.
+flight. `send_buckets` (rank 0's `_BroadcastSender` on the shared walk, `buckets.walk_buckets`) and
+`receive_buckets` are the two ends; `start` (one broadcast per bucket here) is the only part a variant of this
+transport needs to change.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack
+from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack, walk_buckets
 from app.weights.group import StatelessGroup
 from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
 from app.weights.transport import Gather, Load, register_transport
@@ -25,6 +26,48 @@ def _broadcast_one(group: StatelessGroup | None) -> Start:
     return lambda flat: [group.broadcast_async(flat)]  # type: ignore[union-attr]
 
 
+class _BroadcastSender:
+    """Rank 0's end of the broadcast walk, double-buffered: bucket k+1 is gathered, packed and checksummed
+    while bucket k is in flight; at most two buckets are staged at once (the wait for bucket k comes after
+    bucket k+1 started)."""
+
+    def __init__(self, group: StatelessGroup, device: torch.device | str, start: Start) -> None:
+        self.group, self.device, self.start = group, device, start
+        self.inflight: tuple[torch.Tensor, list[Any]] | None = None  # the bucket on the wire: buffer, works
+
+    def send(self, bucket: Bucket, tensors: list[torch.Tensor], stats: PushStats) -> torch.Tensor:
+        t1 = time.perf_counter()
+        flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=self.device)
+        pack_into(bucket, tensors, flat)
+        t2 = time.perf_counter()
+        stats.pack_s += t2 - t1
+        works = self.start(flat)  # a failure leaves the previous bucket in flight, for `finish`
+        # checksummed while the bytes are in flight; formatted after the walk (no device sync per bucket)
+        sums = _checksum_sums(flat)
+        stats.transfer_s += time.perf_counter() - t2
+        previous, self.inflight = self.inflight, (flat, works)
+        self._settle(previous, stats)  # it overlapped this one's gather, pack and checksum
+        return sums
+
+    def finish(self, stats: PushStats) -> None:
+        last, self.inflight = self.inflight, None
+        try:
+            self._settle(last, stats)
+        finally:
+            if self.group.device.type == "cuda":
+                torch.cuda.synchronize(self.group.device)
+
+    def _settle(self, inflight: tuple[torch.Tensor, list[Any]] | None, stats: PushStats) -> None:
+        if inflight is None:
+            return
+        t = time.perf_counter()
+        try:
+            for work in inflight[1]:
+                self.group.wait(work)
+        finally:
+            stats.transfer_s += time.perf_counter() - t
+
+
 def send_buckets(
     plan: PushPlan,
     gather: Gather,
@@ -32,65 +75,11 @@ def send_buckets(
     device: torch.device | str = "cpu",
     start: Start | None = None,
 ) -> PushStats:
-    """Walk the plan's buckets on every trainer rank; rank 0 (the one holding `group`) sends.
-
-    `gather(names)` returns the full tensors of those names; on FSDP2 it is a collective, so every rank
-    calls it for every bucket in the same order. Ranks without a group discard what they gathered. A send
-    failure on rank 0 is raised only after the walk, so the other ranks are never left in a gather.
-    `start(flat)` starts sending one packed bucket and returns the works to wait for (default: one broadcast).
-
-    Double-buffered: bucket k+1 is gathered, packed and checksummed while bucket k is in flight; at most two
-    buckets are staged at once (the wait for bucket k comes after bucket k+1 started).
-    """
-    stats = PushStats(version=plan.version, nbytes=plan.nbytes, buckets=len(plan.buckets))
-    start = start or _broadcast_one(group)
-    t_start = time.perf_counter()
-    error: BaseException | None = None
-    sums: list[torch.Tensor] = []
-    inflight: tuple[torch.Tensor, list[Any]] | None = None  # the bucket on the wire: its buffer and works
-
-    def settle() -> None:
-        nonlocal inflight, error
-        if inflight is None:
-            return
-        t = time.perf_counter()
-        try:
-            for work in inflight[1]:
-                group.wait(work)  # type: ignore[union-attr]
-        except Exception as e:  # keep walking: the other ranks are waiting in the gathers
-            error = error or e
-        inflight = None
-        stats.transfer_s += time.perf_counter() - t
-
-    for bucket in plan.buckets:
-        t0 = time.perf_counter()
-        tensors = gather([t.name for t in bucket.tensors])
-        t1 = time.perf_counter()
-        stats.gather_s += t1 - t0
-        if group is None or error is not None:
-            continue
-        flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
-        pack_into(bucket, tensors, flat)
-        t2 = time.perf_counter()
-        stats.pack_s += t2 - t1
-        try:
-            works = start(flat)
-        except Exception as e:
-            error = e
-            works = []
-        # checksummed while the bytes are in flight; formatted after the walk (no device sync per bucket)
-        sums.append(_checksum_sums(flat))
-        stats.transfer_s += time.perf_counter() - t2
-        settle()  # the previous bucket: it overlapped this one's gather, pack and checksum
-        inflight = (flat, works)
-    settle()
-    if group is not None and group.device.type == "cuda":
-        torch.cuda.synchronize(group.device)
-    stats.checksums = _ck_strings(sums) if sums else []
-    stats.total_s = time.perf_counter() - t_start
-    if error is not None:
-        raise SyncError(f"weight push v{plan.version} failed in the broadcast: {error}") from error
-    return stats
+    """Walk the plan's buckets on every trainer rank (`walk_buckets`); rank 0 (the one holding `group`)
+    broadcasts each, double-buffered (`_BroadcastSender`). `start(flat)` starts sending one packed bucket and
+    returns the works to wait for (default: one broadcast)."""
+    sender = None if group is None else _BroadcastSender(group, device, start or _broadcast_one(group))
+    return walk_buckets(plan, gather, sender, "broadcast")
 
 
 def receive_buckets(

@@ -1,13 +1,17 @@
-"""Bucket planning, packing and checksums: torch alone, the same on every trainer rank and every receiver."""
+"""Bucket planning, packing and checksums, and the trainer's walk over a plan's buckets (`walk_buckets`,
+every transport's sending side): torch alone, the same on every trainer rank and every receiver."""
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 
-from app.weights.records import Bucket, PushPlan, TensorSpec, dtype_of
+from app.weights.records import Bucket, PushPlan, PushStats, SyncError, TensorSpec, dtype_of
+from app.weights.transport import Gather
 
 _dtype = dtype_of
 
@@ -127,3 +131,50 @@ def iter_named_full(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
     for name, t in named:
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         yield name, full.detach()
+
+
+class BucketSender(Protocol):
+    """Rank 0's side of one transport's walk: how one gathered bucket travels."""
+
+    def send(self, bucket: Bucket, tensors: list[torch.Tensor], stats: PushStats) -> torch.Tensor:
+        """Pack and send one bucket (adding to `stats.pack_s`, `stats.transfer_s`); return its checksum sums
+        (`_checksum_sums`). Raising stops the sending, never the walk's gathers."""
+        ...
+
+    def finish(self, stats: PushStats) -> None:
+        """After the last bucket (also after a failure): wait for what is still in flight; raise its failure."""
+        ...
+
+
+def walk_buckets(plan: PushPlan, gather: Gather, sender: BucketSender | None, transport: str) -> PushStats:
+    """Walk the plan's buckets on every trainer rank; the rank holding a `sender` (rank 0) sends each.
+
+    `gather(names)` returns the full tensors of those names; on FSDP2 it is a collective, so every rank
+    calls it for every bucket in the same order. Ranks without a sender discard what they gathered. The first
+    failure of the sender stops the sending and is raised (as SyncError naming `transport`) only after the
+    walk, so the other ranks are never left in a gather.
+    """
+    stats = PushStats(version=plan.version, nbytes=plan.nbytes, buckets=len(plan.buckets))
+    t_start = time.perf_counter()
+    error: BaseException | None = None
+    sums: list[torch.Tensor] = []
+    for bucket in plan.buckets:
+        t0 = time.perf_counter()
+        tensors = gather([t.name for t in bucket.tensors])
+        stats.gather_s += time.perf_counter() - t0
+        if sender is None or error is not None:
+            continue
+        try:
+            sums.append(sender.send(bucket, tensors, stats))
+        except Exception as e:  # keep walking: the other ranks are waiting in the gathers
+            error = e
+    if sender is not None:
+        try:
+            sender.finish(stats)
+        except Exception as e:
+            error = error or e
+    stats.checksums = _ck_strings(sums) if error is None else []
+    stats.total_s = time.perf_counter() - t_start
+    if error is not None:
+        raise SyncError(f"weight push v{plan.version} failed in the {transport}: {error}") from error
+    return stats

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 import torch
 
 from app.weights.broadcast import BroadcastTransport
-from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack
+from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack, walk_buckets
 from app.weights.group import StatelessGroup
-from app.weights.records import GroupInfo, PushPlan, PushStats, SyncError
+from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
 from app.weights.transport import Gather, Load, register_transport
 
 _META_BYTES = 4096  # one pickled IPC description (about 300 bytes) per bucket
@@ -159,52 +159,12 @@ class IpcTransport(BroadcastTransport):
 
     def send(self, plan: PushPlan, gather: Gather, device: torch.device | str) -> PushStats:
         """Walk every bucket (gathers are collectives on every rank); rank 0 (with a group) exports them."""
-        stats = PushStats(version=plan.version, nbytes=plan.nbytes, buckets=len(plan.buckets))
-        t_start = time.perf_counter()
-        error: BaseException | None = None
-        sums: list[torch.Tensor] = []
-        stage: torch.Tensor | None = None
+        sender = None
         if self.group is not None and plan.buckets:
             most = max(b.numel * _dtype(b.dtype).itemsize for b in plan.buckets)
             with plain_segments():
-                stage = torch.empty(most, dtype=torch.uint8, device=device)
-        for bucket in plan.buckets:
-            t0 = time.perf_counter()
-            tensors = gather([t.name for t in bucket.tensors])
-            t1 = time.perf_counter()
-            stats.gather_s += t1 - t0
-            if stage is None or error is not None:
-                continue
-            try:
-                nbytes = bucket.numel * _dtype(bucket.dtype).itemsize
-                flat = stage[:nbytes].view(_dtype(bucket.dtype))
-                pack_into(bucket, tensors, flat)
-                sums.append(_checksum_sums(flat))
-                # packed before any receiver reads (torch's IPC event orders only a handle's first opening)
-                if flat.is_cuda:
-                    torch.cuda.current_stream(flat.device).synchronize()
-                t2 = time.perf_counter()
-                stats.pack_s += t2 - t1
-                meta = export_handle(flat)
-            except Exception as e:  # keep walking: the other ranks are waiting in the gathers
-                error = e
-                self._tell_failed()
-                continue
-            try:
-                if not all(self._metas(meta)):
-                    error = SyncError(f"another trainer rank failed before bucket {bucket.index}")
-                    continue
-                if not self._signal(True):
-                    error = SyncError(f"a receiver failed to copy bucket {bucket.index}")
-            except Exception as e:  # the group broke (a receiver died): every end fails on its own
-                error = e
-            stats.transfer_s += time.perf_counter() - t2
-        stats.checksums = _ck_strings(sums) if error is None else []
-        del stage  # receivers closed their mappings with their last copy; torch frees it when they did
-        stats.total_s = time.perf_counter() - t_start
-        if error is not None:
-            raise SyncError(f"weight push v{plan.version} failed in the IPC transport: {error}") from error
-        return stats
+                sender = _IpcSender(self, torch.empty(most, dtype=torch.uint8, device=device))
+        return walk_buckets(plan, gather, sender, "IPC transport")
 
     def _tell_failed(self) -> None:
         """Best effort: an empty description tells the receivers that no more buckets come."""
@@ -256,3 +216,40 @@ class IpcTransport(BroadcastTransport):
         # keep the first mapping of the staging buffer all push long: torch's cache then maps it only once
         opened.setdefault(pickle.loads(meta)[7], src)
         return src
+
+
+class _IpcSender:
+    """Rank 0's end of the IPC walk: each bucket is packed into one staging buffer, its handle handed to the
+    receivers, and the buffer reused once every receiver signalled its copy done."""
+
+    def __init__(self, transport: IpcTransport, stage: torch.Tensor) -> None:
+        self.transport = transport
+        self.stage: torch.Tensor | None = stage  # dropped by `finish`
+
+    def send(self, bucket: Bucket, tensors: list[torch.Tensor], stats: PushStats) -> torch.Tensor:
+        t1 = time.perf_counter()
+        try:
+            nbytes = bucket.numel * _dtype(bucket.dtype).itemsize
+            flat = self.stage[:nbytes].view(_dtype(bucket.dtype))  # type: ignore[index]
+            pack_into(bucket, tensors, flat)
+            sums = _checksum_sums(flat)
+            # packed before any receiver reads (torch's IPC event orders only a handle's first opening)
+            if flat.is_cuda:
+                torch.cuda.current_stream(flat.device).synchronize()
+            t2 = time.perf_counter()
+            stats.pack_s += t2 - t1
+            meta = export_handle(flat)
+        except Exception:
+            self.transport._tell_failed()  # the receivers wait for a description: no more buckets come
+            raise
+        # a failure here means the group broke (a receiver died): every end fails on its own
+        if not all(self.transport._metas(meta)):
+            raise SyncError(f"another trainer rank failed before bucket {bucket.index}")
+        if not self.transport._signal(True):
+            raise SyncError(f"a receiver failed to copy bucket {bucket.index}")
+        stats.transfer_s += time.perf_counter() - t2
+        return sums
+
+    def finish(self, stats: PushStats) -> None:
+        # receivers closed their mappings with their last copy; torch frees the buffer when they did
+        self.stage = None

@@ -6,7 +6,7 @@ new transport cannot weaken the protocol (acknowledgement with checksums, deadli
 
     trainer rank 0   open(info, device)   host the epoch (rank 0); returns once every receiver connected
     every trainer    send(plan, gather)   walk the buckets; gather is an FSDP2 collective on every rank,
-                                          only an opened transport sends (see `send_buckets`)
+                                          only an opened transport sends (`buckets.walk_buckets`)
     receiver worker  join(info, rank)     connect as `rank` of the epoch
                      receive(plan, load)  receive every bucket in order, hand its tensors to `load`
     both             close()              leave the epoch; a new epoch builds a new transport
