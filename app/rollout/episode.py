@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from app.envs.base import EnvFactory, Environment, EnvStep
+from app.infra.settings import from_sections
 from app.records import GenerateRequest, Prompt, Sample
 from app.rewards import RewardResult
 
@@ -42,13 +43,8 @@ class EpisodeLimits:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> EpisodeLimits:
-        e = cfg.env
-        return cls(
-            max_turns=e.max_turns,
-            max_total_tokens=e.max_total_tokens,
-            step_timeout_s=e.step_timeout_s,
-            on_error=cfg.reward.on_error,
-        )
+        """`env.*` and `reward.on_error`, by name (app/infra/settings.py)."""
+        return from_sections(cls, cfg.env, cfg.reward)
 
 
 class EnvError(Exception):

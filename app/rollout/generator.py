@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from app.envs.base import EnvFactory
+from app.infra.settings import from_sections
 from app.records import GenerateRequest, GenerateResponse, Group, Prompt, Sample
 from app.rewards import RewardResult, overlong_penalty
 from app.rewards.styles import RewardInput
@@ -70,23 +71,12 @@ class GenSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> GenSettings:
+        """`rollout.*` and `reward.overlong_*` by name (app/infra/settings.py), the run's seed."""
         from app.config import parse_lengths
 
         r = cfg.rollout
-        return cls(
-            n=r.n,
-            max_tokens=r.max_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop=tuple(r.stop),
-            ignore_eos=r.ignore_eos,
-            partial=r.partial,
-            request_timeout_s=r.request_timeout_s,
-            lengths=parse_lengths(r.lengths),
-            seed=cfg.seed,
-            overlong_buffer=cfg.reward.overlong_buffer,
-            overlong_factor=cfg.reward.overlong_factor,
+        return from_sections(
+            cls, r, cfg.reward, seed=cfg.seed, stop=tuple(r.stop), lengths=parse_lengths(r.lengths)
         )
 
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.infra.settings import from_sections
 from app.records import Batch, Filtered, Group, Prompt
 from app.rewards.guard import RewardsFailed
 from app.rollout import admission, filtering
@@ -49,15 +50,9 @@ class ProducerSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ProducerSettings:
-        a = cfg.algorithm
-        return cls(
-            max_staleness=a.max_staleness,
-            batch_groups=cfg.train.batch_groups,
-            max_inflight=cfg.rollout.max_inflight,
-            over_bound=a.over_bound,
-            filter_groups=a.filter_groups,
-            seed=cfg.seed,
-        )
+        """`algorithm.*`, `train.batch_groups`, `rollout.max_inflight` by name (app/infra/settings.py), the
+        run's seed."""
+        return from_sections(cls, cfg.algorithm, cfg.train, cfg.rollout, seed=cfg.seed)
 
 
 class AsyncProducer:

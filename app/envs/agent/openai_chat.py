@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.envs.agent.session import SessionCall
+from app.infra.settings import from_sections
 from app.records import GenerateRequest, Sample
 from app.rollout import admission
 
@@ -53,7 +54,7 @@ class RequestError(Exception):
 
 @dataclass(kw_only=True)
 class ChatSettings:
-    """The frontend's limits and defaults, from the run's config (`from_cfg`)."""
+    """The frontend's limits and defaults, from the run's config (`from_cfg`: `rollout.*` by name)."""
 
     model_name: str = "relay"
     max_model_len: int = 128
@@ -66,15 +67,13 @@ class ChatSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> ChatSettings:
-        r = cfg.rollout
-        return cls(
+        """`rollout.*` by name (app/infra/settings.py); the model's path names it; sessions outlive agents."""
+        return from_sections(
+            cls,
+            cfg.rollout,
             model_name=cfg.model.path,
-            max_model_len=r.max_model_len,
-            max_tokens=r.max_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            request_timeout_s=r.request_timeout_s,
             session_ttl_s=max(600.0, 2 * cfg.env.agent_timeout_s),
+            own=("max_sessions",),
         )
 
 
