@@ -752,16 +752,16 @@ class EnvConfig(_Section):
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
-        if self.name:
-            _check_registry(f"{prefix}name", self.name, '; "" for none')
-        _check(
-            f"{prefix}agent",
-            self.name != "openai_agent" or ":" in self.agent,
-            f"{self.agent!r}: env.name=openai_agent runs the agent function named here; set "
-            "env.agent=pkg.module:function (an async function (base_url, row) -> reward)",
-        )
-        if self.name == "openai_agent" and ":" in self.agent:
-            _check_agent(f"{prefix}agent", self.agent)
+        if not self.name:
+            return
+        _check_registry(f"{prefix}name", self.name, '; "" for none')
+        from app.envs import env_kind
+        from app.envs.base import EnvKeyError
+
+        try:
+            env_kind(self.name).check(self)  # the keys its kind needs (env.agent for openai_agent)
+        except EnvKeyError as e:
+            raise ConfigError(f"invalid value for '{prefix}{e.key}': {e}") from None
 
 
 @dataclass
@@ -1325,17 +1325,6 @@ def _check_reward_fn(key: str, spec: str) -> None:
             hint = _did_you_mean(attr, [n for n in dir(sys.modules[module]) if not n.startswith("_")])
             hint = hint.replace("did you mean ", f"did you mean {module}{sep}")
         raise ConfigError(f"invalid value for '{key}': {e}{hint}") from None
-
-
-def _check_agent(key: str, spec: str) -> None:
-    """Resolve `env.agent` now, so a typo fails before Ray, Serve and vLLM start (the rollouter resolves it
-    again where it runs)."""
-    from app.envs.agent.session import resolve_agent
-
-    try:
-        resolve_agent(spec)
-    except ValueError as e:
-        raise ConfigError(f"invalid value for '{key}': {e}") from None
 
 
 def validate(cfg: RelayConfig | DictConfig) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from app.config import ConfigError, data_files, flatten, to_container
+from app.envs import env_kind
 from app.model_path import resolve_model_path
 from app.rollout.prompt_files import Columns, PromptRow, check_file, load_rows, uid_prefix
 
@@ -285,20 +286,14 @@ def _start_roles(
 
     cfg = _plan_resources(cfg)
     hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
-    agents = cfg.env.name == "openai_agent"  # agent code drives rollouts through the OpenAI endpoint
-    if agents:
-        from app.envs.agent.openai_api import deploy_frontend, start_http
-
-        cfg = OmegaConf.merge(
-            cfg, {"env": {"http_port": start_http(cfg.env.http_port)}}
-        )  # before Serve starts
+    kind = env_kind(cfg.env.name)  # its services: the OpenAI endpoint that agent code drives rollouts through
+    cfg = kind.before_serve(cfg)
     ray_compat.deploy_app(
         build_app(cfg, inputs.model_path),
         app_name(cfg.ray.name),
         external_scaler_enabled=cfg.rollout.scaling == "external",
     )
-    if agents:
-        deploy_frontend(cfg, inputs.model_path)
+    kind.deploy(cfg, inputs.model_path)
     rollouter = (
         ray.remote(Rollouter)
         .options(name=rollouter_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=256)
@@ -548,13 +543,10 @@ def teardown(cfg: DictConfig, started: bool) -> None:
         ray_compat.delete_app(app_name(cfg.ray.name), wait=cfg.rollout.replica_gpus > 0)
     except Exception as e:
         log.warning("deleting the rollout app: %s", e)
-    if cfg.env.name == "openai_agent":
-        from app.envs.agent.openai_api import frontend_app_name
-
-        try:
-            ray_compat.delete_app(frontend_app_name(cfg.ray.name), wait=False)
-        except Exception as e:
-            log.warning("deleting the OpenAI endpoint app: %s", e)
+    try:
+        env_kind(cfg.env.name).teardown(cfg)
+    except Exception as e:
+        log.warning("removing the services of env.name=%s: %s", cfg.env.name, e)
     for name in (hub_name(cfg.ray.name), control_name(cfg.ray.name), rollouter_name(cfg.ray.name)):
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))

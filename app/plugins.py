@@ -7,7 +7,8 @@ new file of the user's own, selected by its dotted path; nothing in app/ changes
                                                                          verl's / TRL's (app/rewards/styles.py)
     algorithm.correction   app/trainer/losses.py LOSSES                  fn(LossInputs, algorithm_cfg) -> LossOutputs
     algorithm.mode         app/trainer/sources SOURCES                   a RolloutSource class: cls(cfg, actors)
-    env.name               app/envs ENVIRONMENTS                         a factory: fn(cfg, offload) -> EnvFactory
+    env.name               app/envs ENVIRONMENTS                         a factory: fn(cfg, offload) -> EnvFactory,
+                                                                         or an EnvKind (app/envs/base.py)
     sync.transport         app/weights/transport.py TRANSPORTS           a WeightTransport class
     env.agent              (none: a dotted path only)                    async fn(base_url, row) -> reward
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.envs.base import EnvKeyError, EnvKind
 from app.envs.calculator import CalculatorEnv
 from app.trainer.sources.sync import SyncSource
 from app.weights.broadcast import BroadcastTransport
@@ -30,6 +31,22 @@ class LoggedSyncSource(SyncSource):
 def calculator_env(cfg: Any, offload: Any) -> type:
     """An environment factory: (cfg, offload) -> a class whose instances run one episode each."""
     return CalculatorEnv
+
+
+class TwoTurnCalculator(EnvKind):
+    """A kind of environment with a key of its own checked at load (and no service to deploy)."""
+
+    def __call__(self, cfg: Any, offload: Any) -> type:
+        return CalculatorEnv
+
+    def check(self, env: Any) -> None:
+        if env.max_turns < 2:
+            raise EnvKeyError(
+                "max_turns", f"{env.max_turns}: the calculator needs a turn to call, one to answer"
+            )
+
+
+two_turn_calculator = TwoTurnCalculator()
 
 
 class CountingTransport(BroadcastTransport):

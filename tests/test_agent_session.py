@@ -15,6 +15,7 @@ import pytest
 from app.config import ConfigError, load_config
 from app.envs.agent.openai_chat import ChatCore, ChatSettings, RequestError, render_chat
 from app.envs.agent.session import AgentEpisode, Inconsistent, SessionCall, assemble, resolve_agent
+from app.envs.base import EpisodeMaker
 from app.records import Prompt
 from app.rewards import RewardResult
 from app.rollout import GenSettings, GroupGenerator
@@ -139,7 +140,7 @@ class FrontendHandle:
         return _Method
 
 
-class Episodes:
+class Episodes(EpisodeMaker):
     """The runner's factory, its frontend replaced by the handle stand-in."""
 
     def __init__(self, agent, core: ChatCore, timeout_s: float = 5.0) -> None:

@@ -64,3 +64,19 @@ def test_resolve_names_the_form_it_expects():
         resolve("env.agent", "oops")
     with pytest.raises(PluginError, match=r"a built-in \('a', 'b'\)"):
         resolve("k", "c", {"a": 1, "b": 2})
+
+
+def test_a_kind_of_environment_checks_its_own_keys_at_load_and_needs_no_name_check():
+    from app.envs import EnvKind, env_kind, make_factory
+    from app.envs.agent.kind import OpenAIAgentKind
+
+    cfg = load_config(None, [f"env.name={M}:two_turn_calculator", "env.max_turns=2"])
+    assert (
+        env_kind(cfg.env.name) is ext.two_turn_calculator
+        and make_factory(cfg.env.name, cfg) is ext.CalculatorEnv
+    )
+    with pytest.raises(ConfigError, match=r"'env.max_turns': 1: the calculator needs a turn to call"):
+        load_config(None, [f"env.name={M}:two_turn_calculator", "env.max_turns=1"])
+    plain = env_kind(f"{M}:calculator_env")  # a plain function is a kind whose hooks do nothing
+    assert type(plain) is EnvKind and plain.before_serve(cfg) is cfg and plain(cfg, None) is ext.CalculatorEnv
+    assert isinstance(env_kind("openai_agent"), OpenAIAgentKind) and type(env_kind("")) is EnvKind

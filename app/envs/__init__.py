@@ -1,7 +1,9 @@
 """Environments for multi-turn rollouts (`env.name`): a new one is a module here plus one registry line.
 
-`ENVIRONMENTS` maps a name to a factory of per-episode environments (see `app/envs/base.py`). Importing
-this package imports neither torch, Ray nor vLLM (the config validates `env.name` against it).
+`ENVIRONMENTS` maps a name to a kind of environment (`EnvKind`, or a plain `(cfg, offload) -> EnvFactory`
+function): what builds the run's factory of per-episode environments, and what else the kind needs of the
+run (see `app/envs/base.py`). Importing this package imports neither torch, Ray nor vLLM (the config
+validates `env.name` against it and runs its kind's `check`).
 """
 
 from __future__ import annotations
@@ -9,33 +11,43 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.envs.base import EnvFactory, Environment, EnvStep, Offload, in_thread
+from app.envs.agent.kind import OpenAIAgentKind
+from app.envs.base import EnvFactory, Environment, EnvKind, EnvStep, Offload, in_thread
 from app.envs.calculator import CalculatorEnv
 from app.envs.code_feedback import factory as code_feedback_envs
+from app.plugins import resolve
 
-ENVIRONMENTS: dict[str, Callable[[Any, Offload], EnvFactory]] = {
+ENVIRONMENTS: dict[str, EnvKind | Callable[[Any, Offload], EnvFactory]] = {
     # name -> ((the run's config, where blocking work runs) -> a factory of one environment per episode)
     "calculator": lambda cfg, offload: CalculatorEnv,
     "code_feedback": code_feedback_envs,
-    "openai_agent": lambda cfg, offload: _openai_agent(cfg),
+    "openai_agent": OpenAIAgentKind(),  # agent code drives whole sessions through the OpenAI endpoint
 }
 
 
-def _openai_agent(cfg: Any) -> EnvFactory:
-    """Agent code driving whole sessions through the OpenAI endpoint (app/envs/agent/session.py)."""
-    from app.envs.agent.session import AgentEpisodes
-
-    return AgentEpisodes(cfg)
+def env_kind(name: str) -> EnvKind:
+    """The kind `env.name` names (for "", single-turn sampling: a kind that does nothing); a plain function
+    is wrapped as a kind with no hooks."""
+    if not name:
+        return EnvKind()
+    found = resolve("env.name", name, ENVIRONMENTS)
+    return found if isinstance(found, EnvKind) else EnvKind(found)
 
 
 def make_factory(name: str, cfg: Any, offload: Offload = in_thread) -> EnvFactory | None:
     """The factory of `env.name` (None for "": single-turn sampling); its environments run their blocking
     work through `offload` (the rollouter passes its reward pool's: on reward workers when there are any)."""
-    if not name:
-        return None
-    from app.plugins import resolve
-
-    return resolve("env.name", name, ENVIRONMENTS)(cfg, offload)
+    return env_kind(name)(cfg, offload) if name else None
 
 
-__all__ = ["ENVIRONMENTS", "EnvFactory", "EnvStep", "Environment", "Offload", "in_thread", "make_factory"]
+__all__ = [
+    "ENVIRONMENTS",
+    "EnvFactory",
+    "EnvKind",
+    "EnvStep",
+    "Environment",
+    "Offload",
+    "env_kind",
+    "in_thread",
+    "make_factory",
+]

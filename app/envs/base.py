@@ -7,6 +7,11 @@ hands its work to the run's `Offload`: a blocking, picklable function runs besid
 worker (a Ray actor, `reward.workers > 0`) like rewards do, else in a thread of the rollouter. Instances are
 per episode (one per sample), built by the factory registered in `app/envs/__init__.py` `ENVIRONMENTS`.
 
+What `env.name` names is an `EnvKind`: it builds the run's factory of environments, and a kind that needs more
+of the run (keys of its own checked at load, a service deployed beside the rollout) overrides its hooks; the
+config and the driver call the hooks of every kind and check no name. A factory that runs whole episodes
+itself (agent sessions) is an `EpisodeMaker`.
+
 Replay: a checkpoint freezes an episode mid-trajectory as its tokens and loss mask only. A restored run
 rebuilds the environment's state by calling `reset` and then `step` again on each finished model turn, so
 `step` must be a deterministic function of the episode so far (true of every built-in environment; an
@@ -16,6 +21,7 @@ environment with outside state keeps it keyed by the prompt's uid).
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,3 +62,51 @@ async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 class EnvFactory(Protocol):
     def __call__(self) -> Environment: ...
+
+
+class EpisodeMaker(ABC):
+    """A factory that runs whole episodes itself (app/envs/agent: agent sessions) instead of giving per-turn
+    environments: `GroupGenerator` runs each sample through `make_episode(gen, limits).run(prompt, req,
+    partial)`, which returns the sample and its reward."""
+
+    @abstractmethod
+    def make_episode(self, gen: Any, limits: Any) -> Any:
+        """The runner of this generator's episodes (`gen` a GroupGenerator, `limits` its EpisodeLimits)."""
+
+
+class EnvKeyError(ValueError):
+    """A key of the `env` section that this kind of environment cannot run with: `key` (e.g. "agent") and,
+    in the message, what to set."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class EnvKind:
+    """What `env.name` names (app/envs ENVIRONMENTS, or `pkg.module:Name`): `kind(cfg, offload)` builds the
+    run's factory of environments. A plain function `(cfg, offload) -> EnvFactory` is a kind with nothing else
+    to do (`EnvKind(fn)`); a kind that needs more of the run subclasses this and overrides the hooks, which do
+    nothing here."""
+
+    def __init__(self, build: Callable[[Any, Offload], EnvFactory] | None = None) -> None:
+        self.build = build
+
+    def __call__(self, cfg: Any, offload: Offload) -> EnvFactory:
+        if self.build is None:
+            raise NotImplementedError(f"{type(self).__name__} builds no environments: override __call__")
+        return self.build(cfg, offload)
+
+    def check(self, env: Any) -> None:
+        """At load, before Ray starts: raise EnvKeyError for a key of `env` (the config's `env` section) that
+        this kind cannot run with."""
+
+    def before_serve(self, cfg: Any) -> Any:
+        """Before Ray Serve starts: the run's config, with what this kind's services chose (e.g. a port)."""
+        return cfg
+
+    def deploy(self, cfg: Any, model_path: str) -> None:
+        """After the rollout deployment: deploy the services this kind's environments talk to."""
+
+    def teardown(self, cfg: Any) -> None:
+        """At the end of the run: remove what `deploy` deployed (the driver logs its errors, never raises)."""

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from app.envs.base import EnvFactory
+from app.envs.base import EnvFactory, EpisodeMaker
 from app.infra.settings import from_sections
 from app.records import GenerateRequest, GenerateResponse, Group, Prompt, Sample
 from app.rewards import RewardResult, overlong_penalty
@@ -91,7 +91,7 @@ class GroupGenerator:
         settings: GenSettings,
         refs: RefFill | None = None,
         stats: Counter[str] | None = None,
-        env: EnvFactory | None = None,
+        env: EnvFactory | EpisodeMaker | None = None,
         encode: Callable[[str], list[int]] | None = None,
         limits: EpisodeLimits | None = None,
     ) -> None:
@@ -106,8 +106,13 @@ class GroupGenerator:
             )
         self.encode = encode
         lim = limits or EpisodeLimits()
-        make = getattr(env, "make_episode", None)  # runs whole episodes itself (env.name=openai_agent)
-        self.episode = None if env is None else make(self, lim) if make else Episode(self, env, lim)
+        self.episode = (
+            None
+            if env is None
+            else env.make_episode(self, lim)  # it runs whole episodes itself (agent sessions)
+            if isinstance(env, EpisodeMaker)
+            else Episode(self, env, lim)
+        )
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.inflight: set[str] = set()
         self.freezing = False

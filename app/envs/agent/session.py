@@ -36,6 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from app.envs.base import EpisodeMaker
 from app.records import GenerateRequest, Prompt, Sample
 from app.rewards import RewardResult
 from app.rollout.episode import EpisodeLimits, Trajectory
@@ -130,9 +131,9 @@ class AgentError(Exception):
         self.kind, self.detail = kind, detail
 
 
-class AgentEpisodes:
-    """The `env.name=openai_agent` entry of app/envs ENVIRONMENTS: not a per-turn environment but a maker of
-    whole episodes, which `GroupGenerator` asks for through `make_episode`."""
+class AgentEpisodes(EpisodeMaker):
+    """The factory `env.name=openai_agent` builds (app/envs/agent/kind.py): not of per-turn environments but
+    a maker of whole episodes (`EpisodeMaker`), which `GroupGenerator` asks for through `make_episode`."""
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
