@@ -153,11 +153,15 @@ class BroadcastTransport:
     def receive(
         self, plan: PushPlan, load: Load, device: torch.device | str
     ) -> tuple[list[str], dict[str, float]]:
+        return receive_buckets(plan, self._joined(plan), load, device, start=self.start)
+
+    def _joined(self, plan: PushPlan) -> StatelessGroup:
+        """This receiver's group; SyncError where `plan` came before a join."""
         if self.group is None:
             raise SyncError(
                 f"receive of v{plan.version} before a join: this worker is not in the weight group"
             )
-        return receive_buckets(plan, self.group, load, device, start=self.start)
+        return self.group
 
     def close(self) -> None:
         if self.group is not None:

@@ -174,10 +174,7 @@ class IpcTransport(BroadcastTransport):
     def receive(
         self, plan: PushPlan, load: Load, device: torch.device | str
     ) -> tuple[list[str], dict[str, float]]:
-        if self.group is None:
-            raise SyncError(
-                f"receive of v{plan.version} before a join: this worker is not in the weight group"
-            )
+        self._joined(plan)
         dev = torch.device(device)
         sums: list[torch.Tensor] = []
         timing = {"transfer_s": 0.0, "load_s": 0.0}
