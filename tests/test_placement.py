@@ -306,6 +306,60 @@ def test_ipc_every_rank_sends_to_the_replica_on_its_gpu(monkeypatch):
             assert torch.equal(got[rank]["loaded"][k], v), k
 
 
+def test_ipc_sender_gathers_the_next_bucket_while_the_receivers_copy(monkeypatch):
+    """Double-buffered staging: the trainer gathers and packs bucket i+1 while the replicas still copy bucket i
+    (slow receivers here), and never overwrites a buffer a receiver is still reading (what they loaded is
+    exact)."""
+    import time
+
+    _stand_in_ipc(monkeypatch)
+    state, plan = _ipc_plan()
+    events: list[tuple[str, int, float]] = []
+    index = {t.name: b.index for b in plan.buckets for t in b.tensors}
+    info = _ipc_info(3)
+    loaded: dict[int, dict[str, torch.Tensor]] = {1: {}, 2: {}}
+    sent: list = [None]
+
+    def gather(names):
+        events.append(("gather", index[names[0]], time.monotonic()))
+        return [state[n] for n in names]
+
+    def load(rank):
+        def f(items):
+            time.sleep(0.1)  # a slow copy: the trainer's next gather must not wait for it
+            loaded[rank].update({k: v.clone() for k, v in items})
+            events.append(("copied", index[items[0][0]], time.monotonic()))
+
+        return f
+
+    def end(rank: int) -> None:
+        _GPU.uuid = 7
+        t = ipc_mod.IpcTransport()
+        try:
+            if rank == 0:
+                t.open(info, "cpu")
+                sent[0] = t.send(plan, gather, "cpu")
+            else:
+                t.join(info, rank, "cpu")
+                t.receive(plan, load(rank), "cpu")
+        finally:
+            t.close()
+
+    threads = [threading.Thread(target=end, args=(r,)) for r in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert sent[0] is not None and len(sent[0].checksums) == len(plan.buckets)
+    for rank in (1, 2):
+        for k, v in state.items():
+            assert torch.equal(loaded[rank][k], v), (rank, k)
+    t_gather = {i: t for kind, i, t in events if kind == "gather"}
+    t_copied = {i: max(t for kind, j, t in events if kind == "copied" and j == i) for i in t_gather}
+    # bucket i+1 was gathered before the copies of bucket i were done
+    assert all(t_gather[i + 1] < t_copied[i] for i in range(len(plan.buckets) - 1)), events
+
+
 def test_ipc_replica_on_a_gpu_without_a_trainer_rank_is_refused(monkeypatch):
     _stand_in_ipc(monkeypatch)
     state, plan = _ipc_plan()

@@ -3,13 +3,16 @@
 Rank 0 packs each bucket into a staging buffer on its GPU and hands the receivers a CUDA IPC handle of that
 buffer (torch's `reduce_tensor`: the handle, the producer's ref counter and a CUDA event ordering the pack
 before every read). Each receiver (a vLLM worker on the same GPU) opens the handle once per push, checksums
-the bucket and loads it straight out of the trainer's memory into its parameters, and reports that done; the
-trainer then reuses the staging buffer for the next bucket. (An earlier version copied each bucket out first,
-so the trainer could pack the next one during the load: the copy cost more than the overlap saved.) The handles and descriptions travel through a gloo `StatelessGroup` of the same epoch
-(the one-byte-per-bucket control traffic of this transport); the bytes never leave the GPU.
+the bucket and loads it straight out of the trainer's memory into its parameters, and reports that done. The
+trainer has two staging buffers: while the receivers copy bucket i out of one, it gathers bucket i+1 (a
+collective over its ranks) and packs it into the other, and meets their copy-done signal of bucket i only then
+(`_IpcSender`). (An earlier version had the receivers copy each bucket out first, so the trainer could pack the
+next one during the load: that copy cost more than the overlap saved.) The handles and descriptions travel
+through a gloo `StatelessGroup` of the same epoch (the one-byte-per-bucket control traffic of this transport);
+the bytes never leave the GPU.
 
 Versions, acknowledgements and checksums are the hub's, as for every transport. The receivers close their
-mappings at the end of each push, before acknowledging; the trainer frees its staging buffer when the walk
+mappings at the end of each push, before acknowledging; the trainer frees its staging buffers when the walk
 ends (torch keeps its memory alive until every receiver's mapping is closed).
 """
 
@@ -162,8 +165,10 @@ class IpcTransport(BroadcastTransport):
         sender = None
         if self.group is not None and plan.buckets:
             most = max(b.numel * _dtype(b.dtype).itemsize for b in plan.buckets)
+            n = 2 if len(plan.buckets) > 1 else 1  # double-buffered (see _IpcSender)
             with plain_segments():
-                sender = _IpcSender(self, torch.empty(most, dtype=torch.uint8, device=device))
+                stages = [torch.empty(most, dtype=torch.uint8, device=device) for _ in range(n)]
+            sender = _IpcSender(self, stages)
         return walk_buckets(plan, gather, sender, "IPC transport")
 
     def _tell_failed(self) -> None:
@@ -216,37 +221,60 @@ class IpcTransport(BroadcastTransport):
 
 
 class _IpcSender:
-    """Rank 0's end of the IPC walk: each bucket is packed into one staging buffer, its handle handed to the
-    receivers, and the buffer reused once every receiver signalled its copy done."""
+    """A sending rank's end of the IPC walk, double-buffered: bucket i is packed into one of two staging
+    buffers and its handle handed to the receivers; the sender does not wait for their copy-done signal of
+    bucket i until it has gathered and packed bucket i+1 into the other buffer, so the trainer's gather (a
+    collective over its ranks) overlaps the replicas' copies. A buffer is reused (bucket i+2) only after the
+    signal of the bucket it held. Every end still meets the gloo collectives in one order: description i,
+    signal i, description i+1, ..."""
 
-    def __init__(self, transport: IpcTransport, stage: torch.Tensor) -> None:
+    def __init__(self, transport: IpcTransport, stages: list[torch.Tensor]) -> None:
         self.transport = transport
-        self.stage: torch.Tensor | None = stage  # dropped by `finish`
+        self.stages: list[torch.Tensor] = stages  # one, or two where the push has several buckets
+        self.sent = 0
+        self.pending: int | None = None  # the bucket whose copy-done signal is still to be met
 
     def send(self, bucket: Bucket, tensors: list[torch.Tensor], stats: PushStats) -> torch.Tensor:
         t1 = time.perf_counter()
         try:
             nbytes = bucket.numel * _dtype(bucket.dtype).itemsize
-            flat = self.stage[:nbytes].view(_dtype(bucket.dtype))  # type: ignore[index]
+            stage = self.stages[self.sent % len(self.stages)]
+            flat = stage[:nbytes].view(_dtype(bucket.dtype))
             pack_into(bucket, tensors, flat)
             sums = _checksum_sums(flat)
             # packed before any receiver reads (torch's IPC event orders only a handle's first opening)
             if flat.is_cuda:
                 torch.cuda.current_stream(flat.device).synchronize()
-            t2 = time.perf_counter()
-            stats.pack_s += t2 - t1
             meta = export_handle(flat)
         except Exception:
+            with contextlib.suppress(Exception):  # the receivers are in the previous bucket's signal
+                self._settle(stats)
             self.transport._tell_failed()  # the receivers wait for a description: no more buckets come
             raise
+        t2 = time.perf_counter()
+        stats.pack_s += t2 - t1
+        self._settle(stats)  # the previous bucket's copies, overlapped with this bucket's gather and pack
         # a failure here means the group broke (a receiver died): every end fails on its own
         if not all(self.transport._metas(meta)):
             raise SyncError(f"another trainer rank failed before bucket {bucket.index}")
-        if not self.transport._signal(True):
-            raise SyncError(f"a receiver failed to copy bucket {bucket.index}")
+        self.pending, self.sent = bucket.index, self.sent + 1
         stats.transfer_s += time.perf_counter() - t2
         return sums
 
+    def _settle(self, stats: PushStats) -> None:
+        """Meet the copy-done signal of the bucket handed out last (if any); raise if a receiver failed."""
+        if self.pending is None:
+            return
+        index, self.pending = self.pending, None
+        t0 = time.perf_counter()
+        ok = self.transport._signal(True)
+        stats.transfer_s += time.perf_counter() - t0
+        if not ok:
+            raise SyncError(f"a receiver failed to copy bucket {index}")
+
     def finish(self, stats: PushStats) -> None:
-        # receivers closed their mappings with their last copy; torch frees the buffer when they did
-        self.stage = None
+        try:
+            self._settle(stats)
+        finally:
+            # receivers closed their mappings with their last copy; torch frees the buffers when they did
+            self.stages = []
