@@ -337,7 +337,12 @@ class RolloutConfig(_Section):
     replica_cpus: float = 1.0
     """Logical CPUs (or GPUs on a GPU cluster, see `replica_gpus`) per vLLM replica."""
     replica_gpus: float = 0.0
-    """GPUs per replica (0 runs vLLM on CPU)."""
+    """GPUs per replica (0 runs vLLM on CPU). With `tensor_parallel_size` > 1 the replica's GPUs are spread
+    over that many GPUs: each worker takes `replica_gpus / tensor_parallel_size` of its own GPU (a whole GPU,
+    or a share of one beside a trainer rank, as `resources.colocate` sets it)."""
+    tensor_parallel_size: int = 1
+    """vLLM workers per replica, each holding a shard of the model on its own GPU (vLLM's tensor
+    parallelism). Every worker receives each push and loads its shard; GPU replicas only."""
     max_model_len: int = 128
     """vLLM context length; must hold `data.max_prompt_tokens + rollout.max_tokens`."""
     kv_cache_gib: float = 1.0
@@ -366,6 +371,7 @@ class RolloutConfig(_Section):
         "join_timeout_s": _TIMEOUT,
         "replica_cpus": _SHARE,
         "replica_gpus": _SHARE,
+        "tensor_parallel_size": rng(">= 1"),
         "max_model_len": rng(">= 1"),
         "kv_cache_gib": rng("> 0", "vLLM needs room for at least one sequence's KV cache"),
         "gpu_memory_utilization": rng("(0, 1]", "a fraction of the GPU's memory"),
@@ -402,6 +408,19 @@ class RolloutConfig(_Section):
             f"{prefix}max_replicas",
             self.max_replicas >= self.min_replicas,
             f"{self.max_replicas} is below {prefix}min_replicas={self.min_replicas}; raise it or lower that",
+        )
+        self._check_tensor_parallel(prefix)
+
+    def _check_tensor_parallel(self, prefix: str) -> None:
+        tp, gpus = self.tensor_parallel_size, self.replica_gpus
+        if tp == 1 or gpus == 0:  # (a CPU replica with tp > 1 is refused once resources are resolved)
+            return
+        per = gpus / tp
+        _check(
+            f"{prefix}tensor_parallel_size",
+            per <= 1 + 1e-9 and (per > 1 - 1e-9 or gpus < tp),
+            f"{tp} workers on replica_gpus={gpus:g} gives each worker {per:g} GPUs; a worker takes one GPU or a "
+            f"share of one: set {prefix}replica_gpus to {tp} (whole GPUs) or to {tp} x a share under 1",
         )
 
 

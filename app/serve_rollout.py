@@ -19,13 +19,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
 from ray import serve
 
 from app.infra import ray_compat
-from app.infra.resources import custom, memory_share, role_env
+from app.infra.resources import (
+    bundle_gpu_ids,
+    custom,
+    memory_share,
+    replica_placement,
+    role_env,
+    worker_share,
+)
 from app.records import GenerateRequest, GenerateResponse, Sample
 from app.sync import ReplicaSync
 from app.vllm import engine as vla
@@ -58,11 +66,21 @@ class RolloutServer:
         recompute_kv: bool = True,
         drain_timeout_s: float = 120.0,
         lora: dict[str, Any] | None = None,
+        bundle_share: float = 0.0,
     ) -> None:
         import ray
 
         self.started = time.time()
         self.replica_id = ray_compat.replica_id()
+        workers = int(engine.get("tensor_parallel_size", 1))
+        if bundle_share > 0:  # tensor-parallel workers on shares of several GPUs: start them on those GPUs
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(bundle_gpu_ids(workers, bundle_share))
+            log.info(
+                "replica %s: %d workers on GPUs %s",
+                self.replica_id,
+                workers,
+                os.environ["CUDA_VISIBLE_DEVICES"],
+            )
         self.engine = vla.create_engine(model_path, **engine, partial=partial)
         self.worker_pids: list[int] = []  # the engine's worker processes, once asked (`info`)
         self.served_any = False
@@ -85,6 +103,7 @@ class RolloutServer:
             metrics=self.metrics,
             started=self.started,
             lora=lora,
+            workers=workers,
         )
         await self.sync.start(join_timeout_s)
 
@@ -211,12 +230,15 @@ def build_app(cfg, model_path: str):
         use_gpu=use_gpu,
         cuda_graphs=r.cuda_graphs,
         lora_rank=cfg.model.lora_rank,
+        tensor_parallel_size=r.tensor_parallel_size,
     )
+    placement = replica_placement(r, custom(cfg, "rollout"))
     opts: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": {
             "num_cpus": r.replica_cpus,
-            "num_gpus": r.replica_gpus,
+            # placed by bundles: the actor takes the first worker's share, the bundles hold the others'
+            "num_gpus": worker_share(r) if placement else r.replica_gpus,
             "resources": custom(cfg, "rollout"),  # resources.rollout_custom: only nodes that have them
             # a CPU replica is hidden from every GPU (a GPU build of vLLM is refused it: check_placement)
             "runtime_env": {"env_vars": {} if use_gpu else {**vla.cpu_env(r.kv_cache_gib), **role_env(0)}},
@@ -227,6 +249,7 @@ def build_app(cfg, model_path: str):
         "graceful_shutdown_timeout_s": 30,  # time to finish an announced push and leave the group
         # one access-log line per generate request was 98% of a default run's log: only at log_level=DEBUG
         "logging_config": {"enable_access_log": cfg.log_level == "DEBUG"},
+        **placement,
     }
     if r.scaling == "auto" and r.max_replicas > r.min_replicas:
         opts["autoscaling_config"] = {
@@ -249,6 +272,7 @@ def build_app(cfg, model_path: str):
         recompute_kv=r.recompute_kv,
         drain_timeout_s=r.request_timeout_s,  # partial=off: requests inside finish first, each within this
         lora=adapter_spec(cfg, model_path),
+        bundle_share=worker_share(r) if placement else 0.0,
     )
 
 

@@ -448,6 +448,21 @@ class GenerationGate:
             self._open.set()
 
 
+def agreed_checksums(results: list[dict[str, Any]], replica_id: str, version: int) -> list[str]:
+    """The per-bucket checksums every worker of a replica received (tensor-parallel workers each receive the
+    whole push); a worker that received other bytes fails the push, naming it and the buckets."""
+    first = list(results[0]["checksums"])
+    for rank, r in enumerate(results[1:], start=1):
+        got = list(r["checksums"])
+        if got != first:
+            bad = [i for i in range(max(len(got), len(first))) if got[i : i + 1] != first[i : i + 1]]
+            raise RuntimeError(
+                f"replica {replica_id}: worker {rank} received other bytes than worker 0 for version {version} "
+                f"(buckets {bad[:4]})"
+            )
+    return first
+
+
 class ReplicaSync:
     """The weight-group membership and run-control answers of one replica (`engine` is its AsyncLLM)."""
 
@@ -465,6 +480,7 @@ class ReplicaSync:
         metrics: Any = None,
         started: float | None = None,
         lora: dict[str, Any] | None = None,
+        workers: int = 1,
     ) -> None:
         self.engine, self.replica_id, self.hub = engine, replica_id, hub
         # LoRA (rollout.partial=finish_on_old): the LoraSpec of the pushed adapters, as a dict, and the adapters
@@ -479,7 +495,7 @@ class ReplicaSync:
         self.drain_timeout_s = drain_timeout_s
         self.poll_s, self.metrics = poll_s, metrics
         self.started = started or time.time()
-        self.workers = 1  # tensor parallel size; each worker is one receiver rank
+        self.workers = workers  # tensor parallel size; each worker is one receiver rank
         self.version = -1  # weights from disk, not yet verified against the trainer's
         self.epoch = -1
         self.abort_seen = -1  # run control's abort requests handled (set at start)
@@ -675,7 +691,7 @@ class ReplicaSync:
             )
             ack = Ack(
                 ok=True,
-                checksums=res[0]["checksums"],
+                checksums=agreed_checksums(res, self.replica_id, plan.version),
                 detail={**ph, "acked_at": time.time()},
             )
             await self.hub.ack.remote(self.replica_id, "push", plan.version, ack)

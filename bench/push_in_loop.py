@@ -84,7 +84,14 @@ def push_under_load(sync: Any, cfg: Any, version: int) -> dict[str, Any]:
 
 
 def run_shape(
-    shape: str, pushes: int, loaded: int, bucket_mb: float, models: str, out_dir: Path, preset: str = "gpu2"
+    shape: str,
+    pushes: int,
+    loaded: int,
+    bucket_mb: float,
+    models: str,
+    out_dir: Path,
+    preset: str = "gpu2",
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -105,6 +112,7 @@ def run_shape(
             f"ray.name={name}",
             f"sync.bucket_mb={bucket_mb}",
             "rollout.max_model_len=512",
+            *overrides,
         ],
     )
     inputs = resolve_inputs(cfg)
@@ -175,6 +183,11 @@ def main() -> None:
         "--preset", default="gpu2", help="gpu2 (disaggregated, NCCL) or colocated (every GPU, CUDA IPC)"
     )
     ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "relay-models"))
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="config overrides, e.g. rollout.tensor_parallel_size=2 (with --preset colocated)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import ray
@@ -186,7 +199,14 @@ def main() -> None:
     try:
         for shape in args.shapes.split(","):
             res = run_shape(
-                shape, args.pushes, args.loaded, args.bucket_mb, args.models, out_dir, args.preset
+                shape,
+                args.pushes,
+                args.loaded,
+                args.bucket_mb,
+                args.models,
+                out_dir,
+                args.preset,
+                tuple(args.overrides),
             )
             sys.stdout.write(json.dumps(res) + "\n")
             sys.stdout.flush()
@@ -194,9 +214,8 @@ def main() -> None:
     finally:
         ray.shutdown()
     summary = {r["shape"]: {"median_push_ms": r["median_push_ms"], "nbytes": r["nbytes"]} for r in results}
-    sys.stdout.write(
-        json.dumps({"bench": "push_in_loop", "bucket_mb": args.bucket_mb, "shapes": summary}) + "\n"
-    )
+    head = {"bench": "push_in_loop", "preset": args.preset, "overrides": args.overrides}
+    sys.stdout.write(json.dumps({**head, "bucket_mb": args.bucket_mb, "shapes": summary}) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ from app.infra.resources import (
     cuda_alloc_env,
     demands,
     memory_share,
+    replica_placement,
     resolve,
     role_env,
     trainer_env,
+    worker_share,
 )
 from app.vllm import engine as vla
 from app.weights import ipc as ipc_mod
@@ -179,6 +181,67 @@ def test_colocated_shares_give_each_gpu_one_rank_and_one_replica(policy, gpus):
         free[i] -= share
         placed[role].append(i)
     assert sorted(placed["replica"]) == list(range(gpus)) == sorted(placed["worker"])
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_colocated_tensor_parallel_replicas_span_their_gpus_beside_a_rank_each(gpus):
+    """rollout.tensor_parallel_size=2 with colocate: N/2 replicas, each one bundle of 0.55 per worker packed on
+    its node (STRICT_PACK: one worker per GPU, since two shares do not fit one GPU), the trainer's 0.4 beside
+    each; vLLM's memory share is the worker's share."""
+    cfg = load_config("colocated", ["rollout.tensor_parallel_size=2"])
+    got = resolve(cfg, {"GPU": gpus, "CPU": 64})
+    assert got["rollout.min_replicas"] == got["rollout.max_replicas"] == gpus // 2
+    assert got["rollout.replica_gpus"] == pytest.approx(2 * COLOCATED_REPLICA)
+    assert got["train.workers"] == gpus and got["train.worker_gpus"] == COLOCATED_WORKER
+    rollout = SimpleNamespace(
+        replica_gpus=got["rollout.replica_gpus"], tensor_parallel_size=2, replica_cpus=1.0
+    )
+    assert worker_share(rollout) == pytest.approx(COLOCATED_REPLICA)
+    assert memory_share(SimpleNamespace(**vars(rollout), gpu_memory_utilization=None)) == pytest.approx(0.55)
+    place = replica_placement(rollout, {"rollout": 1.0})
+    assert place["placement_group_strategy"] == "STRICT_PACK"
+    bundles = place["placement_group_bundles"]
+    assert bundles == [
+        {"CPU": 1.0, "GPU": pytest.approx(0.55), "rollout": 1.0},
+        {"GPU": pytest.approx(0.55)},
+    ]
+    # replicas first (bundle by bundle, first fit), then the trainer's workers: one of each per GPU
+    free = [1.0] * gpus
+    worker_gpus = []
+    for _ in range(gpus // 2):
+        for b in bundles:
+            i = next(j for j, f in enumerate(free) if f + 1e-9 >= b["GPU"])
+            free[i] -= b["GPU"]
+            worker_gpus.append(i)
+    for _ in range(gpus):
+        i = next(j for j, f in enumerate(free) if f + 1e-9 >= COLOCATED_WORKER)
+        free[i] -= COLOCATED_WORKER
+    assert sorted(worker_gpus) == list(range(gpus)) and min(free) >= -1e-9
+    with pytest.raises(ResourceError, match="do not divide"):
+        resolve(load_config("colocated", ["rollout.tensor_parallel_size=4"]), {"GPU": 2, "CPU": 8})
+
+
+def test_tensor_parallel_placement_whole_gpus_or_refused():
+    whole = SimpleNamespace(replica_gpus=2.0, tensor_parallel_size=2, replica_cpus=4.0)
+    assert replica_placement(whole) == {} and worker_share(whole) == 1.0  # the actor asks for both GPUs
+    assert replica_placement(SimpleNamespace(replica_gpus=0.4, tensor_parallel_size=1, replica_cpus=1)) == {}
+    with pytest.raises(ConfigError, match="a worker takes one GPU or a share of one"):
+        load_config(None, ["rollout.replica_gpus=3", "rollout.tensor_parallel_size=2"])
+    with pytest.raises(ResourceError, match="replicas run on CPU"):
+        resolve(load_config(None, ["rollout.tensor_parallel_size=2"]), {"CPU": 8})
+    load_config(None, ["rollout.replica_gpus=2", "rollout.tensor_parallel_size=2"])  # whole GPUs
+    load_config(None, ["rollout.replica_gpus=1.1", "rollout.tensor_parallel_size=2"])  # shares
+
+
+def test_tensor_parallel_workers_must_agree_on_what_they_received():
+    from app.sync import agreed_checksums
+
+    same = [{"checksums": ["a", "b"]}, {"checksums": ["a", "b"]}]
+    assert agreed_checksums(same, "r1", 3) == ["a", "b"]
+    with pytest.raises(
+        RuntimeError, match=r"replica r1: worker 1 received other bytes .* version 3 \(buckets \[1\]\)"
+    ):
+        agreed_checksums([{"checksums": ["a", "b"]}, {"checksums": ["a", "x"]}], "r1", 3)
 
 
 def test_ipc_transport_refuses_a_cpu_end():

@@ -71,6 +71,7 @@ def resolve(cfg: Any, cluster: dict[str, float]) -> dict[str, Any]:
             out[key] = total / units
     if r.rollout_gpus and r.gpus_per_replica:
         out.update(_replicas(r.rollout_gpus, r.gpus_per_replica, r.rollout_cpus, gpus, cpus))
+    _check_tensor_parallel(cfg, out)
     if r.train_gpus:
         total = _total(r.train_gpus, gpus)
         if total <= 0 or (total > 1 and abs(total - round(total)) > 1e-9):
@@ -107,16 +108,87 @@ def colocated(cfg: Any, gpus: float) -> dict[str, Any]:
             "resources.colocate=true sets the rollout's and the trainer's GPUs itself (one of each per GPU): "
             "leave resources.rollout_gpus and resources.train_gpus at 0"
         )
+    tp = int(cfg.rollout.tensor_parallel_size)
+    if n % tp:
+        raise ResourceError(
+            f"resources.colocate=true with rollout.tensor_parallel_size={tp}: each replica spans {tp} GPUs, "
+            f"which the cluster's {n} GPUs do not divide into; set tensor_parallel_size to a divisor of {n}"
+        )
     # one GPU: configs/gpu1.yaml's shares (the order does not matter there)
     replica, worker = (0.4, 0.5) if n == 1 else (COLOCATED_REPLICA, COLOCATED_WORKER)
     return {
-        "rollout.min_replicas": n,
-        "rollout.max_replicas": n,
-        "rollout.replica_gpus": replica,
+        "rollout.min_replicas": n // tp,
+        "rollout.max_replicas": n // tp,
+        "rollout.replica_gpus": replica * tp,  # a share of each of its tp GPUs
         "train.use_gpu": True,
         "train.workers": n,
         "train.worker_gpus": worker,
     }
+
+
+def _check_tensor_parallel(cfg: Any, overrides: dict[str, Any]) -> None:
+    """A tensor-parallel replica runs on GPUs: refuse one that would run on CPU."""
+    tp = int(cfg.rollout.tensor_parallel_size)
+    if tp > 1 and float(overrides.get("rollout.replica_gpus", cfg.rollout.replica_gpus)) <= 0:
+        raise ResourceError(
+            f"rollout.tensor_parallel_size={tp} spreads a replica over {tp} GPUs, but the replicas run on CPU: "
+            f"give them GPUs (rollout.replica_gpus={tp}, resources.rollout_gpus, or resources.colocate=true) "
+            "or set rollout.tensor_parallel_size=1"
+        )
+
+
+def worker_share(rollout: Any) -> float:
+    """The GPU share of one vLLM worker of a replica: its GPUs spread over its tensor-parallel workers."""
+    return float(rollout.replica_gpus) / max(1, int(getattr(rollout, "tensor_parallel_size", 1)))
+
+
+def replica_placement(rollout: Any, extra: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """Serve deployment options that place one replica's tensor-parallel workers, one per GPU: none for one
+    worker, or for whole GPUs (the replica actor then asks for all of them and vLLM sees them all); else
+    one placement bundle per worker holding its share of a GPU, packed on one node (the replica actor
+    takes the first bundle's share and its `extra` custom resources; `bundle_gpu_ids` finds the GPUs of the
+    others)."""
+    tp, per = int(getattr(rollout, "tensor_parallel_size", 1)), worker_share(rollout)
+    if tp == 1 or per <= 0 or per >= 1 - 1e-9:
+        return {}
+    first = {"CPU": float(rollout.replica_cpus), "GPU": per, **(extra or {})}
+    return {
+        "placement_group_bundles": [first] + [{"GPU": per} for _ in range(tp - 1)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
+def bundle_gpu_ids(workers: int, share: float, timeout_s: float = 120.0) -> list[str]:
+    """Inside a replica placed by `replica_placement`: the GPU of each of its bundles, in bundle order (its
+    own for the first; for the others a short task that takes the bundle's share and reports the GPU Ray
+    gave it). The engine's workers are started on these (CUDA_VISIBLE_DEVICES)."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = get_current_placement_group()
+    if pg is None:
+        raise RuntimeError("a tensor-parallel replica with GPU shares runs inside its placement group")
+    probe = ray.remote(lambda: [str(g) for g in ray.get_gpu_ids()])
+    refs = [
+        probe.options(
+            num_cpus=0,
+            num_gpus=share,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote()
+        for i in range(1, workers)
+    ]
+    try:
+        others = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"the GPUs of this replica's placement bundles were not reported within {timeout_s}s"
+        ) from None
+    own = [str(g) for g in ray.get_gpu_ids()]
+    ids = own[:1] + [o[0] for o in others]
+    if len(set(ids)) != len(ids):
+        raise RuntimeError(f"the replica's tensor-parallel workers would share GPUs {ids}")
+    return ids
 
 
 def _replicas(share: float, per: float, cpu_share: float, gpus: float, cpus: float) -> dict[str, Any]:
@@ -302,7 +374,7 @@ def memory_share(rollout: Any) -> float:
     fraction of one GPU), else vLLM's own default for a whole GPU (0.9)."""
     if rollout.gpu_memory_utilization is not None:
         return float(rollout.gpu_memory_utilization)
-    share = float(rollout.replica_gpus)
+    share = worker_share(rollout)
     return share if 0 < share < 1 else 0.9
 
 

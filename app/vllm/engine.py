@@ -111,10 +111,12 @@ def create_engine(
     cuda_graphs: bool = False,
     lora_rank: int = 0,
     max_loras: int = 4,
+    tensor_parallel_size: int = 1,
 ) -> Any:
     """An AsyncLLM with our worker extension, behaviour log-probs after temperature; eager mode unless
     `cuda_graphs` on a GPU (weights load in place, so captured graphs stay valid across pushes).
     `lora_rank > 0` enables LoRA: up to `max_loras` adapters (versions) in one batch, twice that held.
+    `tensor_parallel_size > 1` shards the model over that many worker processes, one per visible GPU.
 
     Raises EngineCapabilityError before starting anything when the engine cannot serve `rollout.partial`.
     """
@@ -134,6 +136,8 @@ def create_engine(
     )
     if use_gpu:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if tensor_parallel_size > 1:  # worker processes of this replica (vLLM's Ray executor is not used)
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
     if lora_rank > 0:
         kwargs.update(_lora_args(lora_rank, max_loras))
     fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})

@@ -67,3 +67,67 @@ def test_lora_fully_async_pushes_adapters_without_a_pause(ray_cluster, cache_dir
     trained = [json.loads(x) for x in (tmp_path / name / "trained_groups.jsonl").read_text().splitlines()]
     assert len(trained) == 12 and all(span == 0 for t in trained for span in t["sample_spans"]), trained
     assert history("staleness/max")
+
+
+def test_lora_sync_then_resumed_one_step_off_restores_the_adapter(ray_cluster, cache_dir, tmp_path):
+    """LoRA in the other two modes, and `--resume` through the CLI. Run S (sync, 2 steps) is on-policy: the
+    trainer's log-probs of each batch equal the engine's behaviour log-probs (base + the pushed adapter) up to
+    numerics, which `actor/logprob_mismatch` measures at every step. Run R resumes S's final checkpoint in
+    one_step_off with a learning rate too small to move fp32 weights: its final adapter is S's (restored, not a
+    fresh zero-B adapter), and its pushes of that adapter were acknowledged with the trainer's checksums."""
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    small = [
+        "train.steps=2",
+        "train.batch_groups=4",
+        "rollout.n=4",
+        "data.val_size=8",
+        "algorithm.val_every=2",
+    ]
+    small += ["train.save_every=2"]
+
+    def run(name: str, *extra: str, resume: str = "") -> tuple[dict, dict[str, list[float]]]:
+        cmd = train_cmd(ray_cluster, cache_dir, tmp_path, name, *small, *extra, config="lora")
+        proc = subprocess.run(
+            cmd + (["--resume", resume] if resume else []),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
+        res = json.loads(line)
+        assert res["ok"], res
+        client = MlflowClient(res["tracking_uri"])
+        keys = ("actor/logprob_mismatch", "sync/pause_s", "sync/bytes", "ckpt/restored_step")
+        return res, {k: [m.value for m in client.get_metric_history(res["run_id"], k)] for k in keys}
+
+    res_s, hist_s = run("lora-sync", "algorithm.mode=sync")
+    assert res_s["steps"] == 2 and res_s["weight_version"] == 2, res_s
+    # on-policy: the engine's base + adapter log-probs are the trainer's (fp32 on CPU), at v0 and after a push
+    assert len(hist_s["actor/logprob_mismatch"]) == 2 and max(hist_s["actor/logprob_mismatch"]) < 0.02, hist_s
+    assert max(hist_s["sync/pause_s"]) == 0.0
+    trained_s = load_file(str(tmp_path / "lora-sync" / "final" / "adapter_model.safetensors"))
+    moved = max(float(t.abs().max()) for k, t in trained_s.items() if "lora_B" in k)
+    assert moved > 1e-4, moved  # B starts at zero: S's adapter is not a fresh one
+
+    res_r, hist_r = run(
+        "lora-resumed",
+        "algorithm.mode=one_step_off",
+        "train.steps=4",
+        "train.lr=1e-12",
+        resume=str(tmp_path / "lora-sync"),
+    )
+    assert res_r["restored_from"] and res_r["restored_from"]["step"] == 2, res_r
+    assert res_r["steps"] == 4 and hist_r["ckpt/restored_step"] == [2.0], (res_r, hist_r)
+    assert set(hist_r["sync/bytes"]) == set(hist_s["sync/bytes"])  # adapter-only pushes, acknowledged
+    resumed = load_file(str(tmp_path / "lora-resumed" / "final" / "adapter_model.safetensors"))
+    assert resumed.keys() == trained_s.keys()
+    worst = max(float((resumed[k].float() - trained_s[k].float()).abs().max()) for k in resumed)
+    assert worst < 1e-6, worst  # S's adapter, restored (and its optimizer with it: lr 1e-12 moved nothing)
+    print(
+        f"\nlora: sync mismatch {hist_s['actor/logprob_mismatch']}, resumed one_step_off kept S's adapter "
+        f"(max |diff| {worst:.2e}, |B| max {moved:.3f})"
+    )
