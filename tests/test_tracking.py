@@ -1,11 +1,14 @@
-"""app/infra/tracking.py without Ray: the background writer against a real SQLite store and against an HTTP server
-that dies (calls return at once, drops counted), name sanitising, the start probe, concurrent store creation."""
+"""app/infra/tracking.py without Ray: the background writer against a real SQLite store, against an HTTP server
+that dies (calls return at once, drops counted) and against a real `mlflow server` SIGKILLed mid-run, name
+sanitising, the start probe, concurrent store creation."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -305,3 +308,81 @@ def test_reward_curve_draws_validation_at_the_version_it_measured(tmp_path):
     assert series["reward/mean"][0] == [float(s) for s in range(1, 11)]
     assert "reward_curve.png" in {a.path for a in MlflowClient(uri).list_artifacts(t.run_id)}
     assert (tmp_path / "reward_curve.png").stat().st_size > 0
+
+
+SERVER_START_S = (
+    240.0  # `mlflow server` imports and migrates its store: ~15 s idle, minutes on a busy 2-core box
+)
+LOG_CALL_BOUND_S = 1.0  # what one step's tracking calls may cost the trainer, the server dead or alive
+
+
+def _start_mlflow_server(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """A real `mlflow server` (HTTP, SQLite backend in tmp_path) in its own process group; waits for /health."""
+    port = _closed_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+            *("--workers", "1", "--backend-store-uri", _sqlite(tmp_path)),
+            *("--default-artifact-root", str(tmp_path / "artifacts")),
+        ],
+        stdout=open(tmp_path / "server.log", "w"),  # noqa: SIM115 (the child holds it)
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVER_START_S
+    while True:
+        try:
+            check_reachable(uri, timeout_s=1.0)
+            return proc, uri
+        except TrackingError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+                pytest.fail(f"mlflow server did not start: {(tmp_path / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+
+
+def _step_metrics(step: int) -> dict[str, float]:
+    """About what trainer rank 0 logs each step (app/train_loop.py), sub-scores and timings included."""
+    names = ["reward/mean", "reward/std", "loss/policy", "loss/kl", "sync/time_s", "gen/tokens_per_s"]
+    return {**{n: step + i / 10 for i, n in enumerate(names)}, "reward/sub/acc(strict)": step / 10}
+
+
+def test_real_mlflow_server_killed_mid_run_costs_no_step_and_counts_the_drops(tmp_path, caplog):
+    """The issue's case at the tracking sink: a real `mlflow server`, steps logged as the trainer does, the
+    server (every process of it) SIGKILLed after step 2. Each later step's calls return within
+    LOG_CALL_BOUND_S, the trainer's end (`close()` with its defaults) within FLUSH_GIVE_UP_S + 10 s, and every
+    call the dead server never got is counted in `tracking/dropped` and said in the log."""
+    from mlflow.tracking import MlflowClient
+
+    proc, uri = _start_mlflow_server(tmp_path)
+    try:
+        t = Tracker.start(uri, "exp", "run-kill", {"train.steps": 10})
+        for step in (1, 2):
+            t.metrics(_step_metrics(step), step)
+        assert t.writer.wait(lambda: t.writer.pending() == 0, timeout_s=60, give_up_s=60)
+        got = MlflowClient(uri).get_metric_history(t.run_id, "loss/policy")
+        assert [m.step for m in got] == [1, 2]  # the server took the first steps
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the server dies mid-run
+        proc.wait(timeout=30)
+    slowest = 0.0
+    with caplog.at_level(logging.WARNING, logger="app.infra.tracking"):
+        for step in range(3, 11):
+            s0 = time.monotonic()
+            t.metrics(_step_metrics(step), step)
+            t.table([{"prompt": "max:3815=", "reward": 1.0}], f"samples/val_v{step:05d}.json")
+            slowest = max(slowest, time.monotonic() - s0)
+            time.sleep(0.2)  # the step's own work
+        s0 = time.monotonic()
+        assert not t.close()  # the trainer's end, with its default deadlines: not everything was written
+        ended_in = time.monotonic() - s0
+    assert slowest < LOG_CALL_BOUND_S, f"a tracking call held a step {slowest:.2f} s"
+    assert ended_in < tracking.FLUSH_GIVE_UP_S + 10, f"the end took {ended_in:.1f} s"
+    assert t.writer.dropped == 16  # 8 steps' metrics and 8 tables: none reached the dead server
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("retrying in the background, training goes on" in m for m in messages)
+    assert any("16 tracking calls of this process were dropped" in m for m in messages), messages
