@@ -16,7 +16,7 @@ from typing import Any
 
 from app.config import REFERENCE_PATH, ConfigError, load_config, reference_markdown
 from app.errors import user_error
-from app.infra.log_filters import configure_logging
+from app.infra.log_filters import configure_logging, quiet_ray_noise
 
 log = logging.getLogger("app")
 
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "eval":
         return _evaluate(args)
     try:
+        quiet_ray_noise()  # before Ray is imported: a clean run's shutdown lines are not printed as failures
         overrides = list(args.overrides)
         if args.resume_with_new_data and not args.resume:
             raise ConfigError(
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             overrides.append(f"train.resume={args.resume}")
         cfg = load_config(args.config, overrides)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         log.error("config error: %s", e)
         _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
         return 2
@@ -147,8 +148,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     overrides += [f"eval.checkpoint={args.checkpoint}"] if args.checkpoint else []
     overrides += [f"eval.data={args.data}"] if args.data else []
     try:
+        quiet_ray_noise()
         cfg = command.load(args.config, overrides)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         log.error("config error: %s", e)
         _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
         return 2
