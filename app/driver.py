@@ -521,33 +521,51 @@ def _graceful_stop(control: Any) -> Any:
 
 
 def teardown(cfg: DictConfig, started: bool) -> None:
-    """Stop what this run started: the whole local cluster if it started one, else only its own parts."""
-    import ray
-    from ray import serve
+    """Stop what this run started: its actors and Serve apps, then the whole local cluster if it started one.
 
-    from app.infra import ray_compat
+    The order keeps a clean run's end quiet (app/infra/log_filters.py): the rollouter, whose Serve handle
+    long-polls Serve's controller, goes first; then the apps (their replicas leave the weight hub, which
+    still runs, and end their vLLM engines); then the hub and the control. A local cluster then stops with
+    `ray.shutdown()`: `serve.shutdown()` would add nothing but its own call on the controller, which fails
+    (and is reported) when the controller ends itself."""
+    import ray
+
     from app.rollout.rollouter import rollouter_name
-    from app.serve_rollout import app_name
-    from app.weights.actors import NAMESPACE
     from app.weights.control import control_name
     from app.weights.hub import hub_name
 
+    _kill_actors([rollouter_name(cfg.ray.name)])
+    # a next run on these GPUs needs their memory back, and a local cluster's replicas must end their vLLM
+    # engines before it stops; CPU replicas on a shared cluster stop without anyone waiting
+    _delete_apps(cfg, wait=started or cfg.rollout.replica_gpus > 0)
+    _kill_actors([hub_name(cfg.ray.name), control_name(cfg.ray.name)])
     if started:
-        try:
-            serve.shutdown()
-        except Exception as e:
-            log.warning("serve shutdown: %s", e)
         ray.shutdown()
-        return
-    try:  # a next run on these GPUs needs their memory back; CPU replicas stop without anyone waiting
-        ray_compat.delete_app(app_name(cfg.ray.name), wait=cfg.rollout.replica_gpus > 0)
-    except Exception as e:
-        log.warning("deleting the rollout app: %s", e)
+
+
+def _delete_apps(cfg: DictConfig, wait: bool) -> None:
+    """Delete this run's Serve apps: the env kind's services (the OpenAI endpoint), then the rollout
+    deployment they call."""
+    from app.infra import ray_compat
+    from app.serve_rollout import app_name
+
     try:
         env_kind(cfg.env.name).teardown(cfg)
     except Exception as e:
         log.warning("removing the services of env.name=%s: %s", cfg.env.name, e)
-    for name in (hub_name(cfg.ray.name), control_name(cfg.ray.name), rollouter_name(cfg.ray.name)):
+    try:  # Serve's own deadline: 60 s for a blocking delete
+        ray_compat.delete_app(app_name(cfg.ray.name), wait=wait)
+    except Exception as e:
+        log.warning("deleting the rollout app: %s", e)
+
+
+def _kill_actors(names: list[str]) -> None:
+    """Kill this run's named actors (those that exist)."""
+    import ray
+
+    from app.weights.actors import NAMESPACE
+
+    for name in names:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:

@@ -314,6 +314,10 @@ def train_worker(config: dict[str, Any]) -> None:
     finally:  # rank 0's queued MLflow calls, written within a deadline (app/infra/tracking.py)
         if t.tracker is not None:
             t.tracker.close()
+    # a clean end: every rank is here, so the default group can go (Ray Train destroys it only for 2+
+    # workers; an NCCL group left to the process's exit warns "destroy_process_group() was not called")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def build(cfg: Any, config: dict[str, Any]) -> Trainer:

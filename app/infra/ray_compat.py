@@ -12,7 +12,8 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
                               waiting for its replicas (serve.run has no public way not to wait); through
                               while_serve_starts: Serve's controller created by two drivers at once
     delete_app                ray.serve.delete(_blocking=...) (private argument): delete an application,
-                              waiting for its replicas' graceful shutdown or not
+                              waiting for its replicas' graceful shutdown or not; through
+                              ray.serve.context._get_global_client (private): nothing where Serve never ran
     serve_http_port           ray.serve.context._get_global_client().http_config (private): the port
                               Serve's HTTP proxies listen on (fixed when Serve started on the cluster)
 
@@ -103,10 +104,14 @@ def while_serve_starts(call: Callable[[], T], timeout_s: float = 60.0) -> T:
 
 
 def delete_app(name: str, wait: bool) -> None:
-    """Delete Serve application `name`; with `wait`, return once its replicas stopped, else leave stopping
-    them to Serve's controller."""
+    """Delete Serve application `name`; with `wait`, return once its replicas stopped (Serve's deadline: 60 s),
+    else leave stopping them to Serve's controller. Nothing where Serve does not run (a run that failed
+    before deploying): `serve.delete` would raise."""
     from ray import serve
+    from ray.serve.context import _get_global_client
 
+    if _get_global_client(raise_if_no_controller_running=False) is None:
+        return
     serve.delete(name, _blocking=wait)
 
 
