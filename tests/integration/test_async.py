@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO, train_cmd
+from tests.integration.conftest import REPO, assert_quiet, train_cmd
 
 ASYNC_METRICS = [
     "staleness/mean",
@@ -88,6 +88,7 @@ def test_fully_async_drains_the_data_once_within_the_bound(
     )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_quiet(proc.stdout, proc.stderr)  # no Ray/Serve/Train shutdown noise in a clean run's log
     (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
     res = json.loads(line)
     assert res["ok"] and "exhausted" in res["stopped"], res
