@@ -24,6 +24,7 @@ costs nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -112,7 +113,13 @@ def delete_app(name: str, wait: bool) -> None:
 
     if _get_global_client(raise_if_no_controller_running=False) is None:
         return
-    serve.delete(name, _blocking=wait)
+    serve_log = logging.getLogger("ray.serve")  # its INFO "Deleting app [...]" is shutdown narration
+    level = serve_log.level
+    serve_log.setLevel(max(level, logging.WARNING))
+    try:
+        serve.delete(name, _blocking=wait)
+    finally:
+        serve_log.setLevel(level)
 
 
 def serve_http_port() -> int:

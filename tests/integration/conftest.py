@@ -195,6 +195,7 @@ SHUTDOWN_NOISE = (
     "PYTHON worker processes have been started",
     "') is stopped.",
     "replica from Deployment(",
+    "Deleting app [",
 )
 
 
