@@ -36,10 +36,11 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
 
     from app.weights.hub import hub_name
 
-    # 24 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
+    # 24 steps of 4 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
     # before the stop: about 10 steps at most, since the staleness bound holds generation while the group
-    # restarts. B then trains the rest: every prompt B trains is one more step of the suite's time
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 192)
+    # restarts. B then trains the rest: every prompt B trains is one more step of the suite's time. (Steps of
+    # 4 groups, not 8: the same steps, pushes and checkpoints for half the generation and training)
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 96)
     common = [
         "algorithm.mode=fully_async",
         "algorithm.max_staleness=2",
@@ -50,7 +51,8 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         "rollout.max_model_len=128",
         "rollout.max_inflight=8",
         "rollout.max_num_seqs=4",  # generation is the bottleneck: groups are always in flight
-        "train.steps=1000",  # the data (192 prompts, one epoch) ends the run
+        "train.steps=1000",  # the data (96 prompts, one epoch) ends the run
+        "train.batch_groups=4",
         "train.save_every=2",
         "train.max_failures=1",
         f"data.train={tmp_path / 'train.jsonl'}",
@@ -227,6 +229,8 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
         tmp_path,
         name,
         "train.steps=50",
+        "train.workers=1",  # a stalled replica, not the trainer: one rank (2-rank runs are above)
+        "data.val_size=8",
         "train.stall_timeout_s=45",  # generous: a loaded machine's normal step must not trip it
         "train.timeout_s=300",
         "rollout.request_timeout_s=300",
