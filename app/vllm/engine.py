@@ -148,12 +148,34 @@ def create_engine(
         kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
     elif not use_gpu:  # the one worker inside the engine core (with `cpu_env`)
         kwargs["distributed_executor_backend"] = "uni"
+        _quiet_seed_warning()
     if lora_rank > 0:
         kwargs.update(_lora_args(lora_rank, max_loras))
     fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
     if "logprobs_mode" in fields:
         kwargs["logprobs_mode"] = "processed_logprobs"
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+_SEED_WARNING = _DropMessage("VLLM_ENABLE_V1_MULTIPROCESSING is set to False")
+
+
+def _quiet_seed_warning() -> None:
+    """vLLM warns on every CPU replica's stdout that VLLM_ENABLE_V1_MULTIPROCESSING=0 may change the random
+    state of the process that builds the engine. That process is the replica, which samples nothing itself
+    (the engine core does, seeded): the warning is noise a user would read as a problem."""
+    logger = logging.getLogger("vllm.engine.arg_utils")
+    if _SEED_WARNING not in logger.filters:
+        logger.addFilter(_SEED_WARNING)
 
 
 def _lora_args(rank: int, max_loras: int) -> dict[str, Any]:
