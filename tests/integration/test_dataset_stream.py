@@ -110,9 +110,10 @@ def test_train_set_in_few_blocks_keeps_order_and_seeded_shuffles(ray_cluster, mo
     import ray
 
     from app.rollout import dataset
-    from app.rollout.dataset import TrainSet, configure_data_context, few_blocks
+    from app.rollout.dataset import TrainSet, few_blocks
 
-    configure_data_context()  # as the rollouter does (ordered execution)
+    ctx = ray.data.DataContext.get_current()  # ordered execution, as the rollouter's configure_data_context
+    monkeypatch.setattr(ctx.execution_options, "preserve_order", True)
     in_order = [f"t:{i}" for i in range(250)]
     read = ray.data.from_items([{"uid": u} for u in in_order], override_num_blocks=10).materialize()
     small = few_blocks(read)  # (the blocks the reader and the tokenizer made: 10 here)
