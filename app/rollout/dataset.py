@@ -371,8 +371,25 @@ def train_dataset(
             ).materialize()
         if ds.count() == 0:
             raise no_rows(check_path(path))
-        datasets.append(ds)
+        datasets.append(few_blocks(ds))
     return TrainSet(datasets, weights, shuffle, seed)
+
+
+SHUFFLE_BLOCK_ROWS = 100_000  # rows per block of a materialized training set (see `few_blocks`)
+
+
+def few_blocks(ds: Any) -> Any:
+    """`ds` (materialized) in ceil(rows / SHUFFLE_BLOCK_ROWS) blocks, in order, materialized again.
+
+    A per-epoch `random_shuffle` runs a map and a reduce task per block, each wanting a CPU: the reader's
+    small blocks made a 600-row file's shuffle start ~10 new Ray workers per run (seconds of CPU each on a
+    small machine) for a shuffle of milliseconds. One block shuffles in one task; a big dataset keeps a
+    block per 100k rows, so its shuffle still runs in parallel. The rows keep their order (`data.shuffle`
+    off reads them in file order); a seeded shuffle of the same blocks gives the same order every time."""
+    import math
+
+    blocks = max(1, math.ceil(ds.count() / SHUFFLE_BLOCK_ROWS))
+    return ds.repartition(blocks).materialize()
 
 
 def val_prompts(

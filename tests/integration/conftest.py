@@ -206,25 +206,15 @@ def assert_quiet(stdout: str, stderr: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_trained_run(ray_cluster, cache_dir, tmp_path_factory) -> dict:
-    """A finished two-step run of the embedded model (`--config quick`, small batches; validation with two
-    samples per prompt): its RESULT record with `run_dir` (its folder: config.yaml, final/, a checkpoint) and
-    `seconds`, for tests that need a trained checkpoint."""
-    root = tmp_path_factory.mktemp("tiny-trained")
-    small = ["train.steps=2", "train.batch_groups=4", "data.val_size=4", "algorithm.val_every=2"]
-    small += ["eval.val_n=2", "algorithm.val_temperature=1.0", "eval.k=[1,2]"]
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        train_cmd(ray_cluster, cache_dir, root, "tiny-trained", *small),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = result_of(proc.stdout)
-    assert res["ok"] and res["steps"] == 2, res
-    return {**res, "run_dir": str(root / "tiny-trained"), "seconds": time.monotonic() - t0}
+def async_keep_run(ray_cluster, cache_dir, tmp_path_factory) -> dict:
+    """The fully_async `rollout.partial=keep` run of tests/integration/test_async.py (20 prompts, one epoch,
+    validation at every step with eval.val_n=2, eval.k=[1,2], algorithm.val_temperature=1.0), finished: its
+    RESULT record with `uids`, `dir` (its folder: config.yaml, final/, a checkpoint) and `seconds`. One CLI run
+    serves that test and test_eval.py's (a trained final checkpoint, validation with two samples a prompt)."""
+    from tests.integration.test_async import EVAL_VALIDATION, async_run
+
+    root = tmp_path_factory.mktemp("async-keep")
+    return async_run(ray_cluster, cache_dir, root, "keep", "decoupled", 1.0, "train", *EVAL_VALIDATION)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,19 +44,17 @@ def _prompts(cache_dir: Path, path: Path, n: int) -> list[str]:
     return [r.uid for r in rows]
 
 
-@pytest.mark.parametrize(
-    "partial,correction,eta,over_bound",
-    [
-        ("keep", "decoupled", 1.0, "train"),
-        ("resubmit", "tis", 0.5, "train"),
-        ("off", "none", 2.0, "regenerate"),
-    ],
-)
-def test_fully_async_drains_the_data_once_within_the_bound(
-    partial, correction, eta, over_bound, ray_cluster, cache_dir, tmp_path
-):
-    from mlflow.tracking import MlflowClient
+# validation as tests/integration/test_eval.py checks it (two samples a prompt, pass@1 and pass@2): that test
+# takes this mode's run (the session fixture `async_keep_run`) instead of a training run of its own
+EVAL_VALIDATION = ("eval.val_n=2", "algorithm.val_temperature=1.0", "eval.k=[1,2]")
 
+
+def async_run(
+    ray_cluster, cache_dir, tmp_path, partial: str, correction: str, eta: float, over_bound: str, *extra: str
+) -> dict:
+    """A fully_async CLI run over 20 prompts (one epoch): its RESULT with `uids` (the prompts), `dir` (the
+    run folder) and `seconds`."""
+    t0 = time.monotonic()
     uids = _prompts(cache_dir, tmp_path / "train.jsonl", 20)
     name = f"async-{partial}"
     cmd = train_cmd(
@@ -83,18 +82,40 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         "train.steps=100",  # the data (20 prompts, one epoch) ends the run first
         f"data.train={tmp_path / 'train.jsonl'}",
         "data.epochs=1",
-        "data.val_size=16",
+        "data.val_size=8",  # validation beside every step (its prompts' count is not what is checked)
         "algorithm.val_every=1",
+        *extra,
     )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_quiet(proc.stdout, proc.stderr)  # no Ray/Serve/Train shutdown noise in a clean run's log
     (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
     res = json.loads(line)
+    return {**res, "uids": uids, "dir": str(tmp_path / name), "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize(
+    "partial,correction,eta,over_bound",
+    [
+        ("keep", "decoupled", 1.0, "train"),
+        ("resubmit", "tis", 0.5, "train"),
+        ("off", "none", 2.0, "regenerate"),
+    ],
+)
+def test_fully_async_drains_the_data_once_within_the_bound(
+    partial, correction, eta, over_bound, ray_cluster, cache_dir, tmp_path, request
+):
+    from mlflow.tracking import MlflowClient
+
+    if partial == "keep":  # shared with test_eval.py (validation settings: EVAL_VALIDATION)
+        res = request.getfixturevalue("async_keep_run")
+    else:
+        res = async_run(ray_cluster, cache_dir, tmp_path, partial, correction, eta, over_bound)
+    uids, run_dir = res["uids"], Path(res["dir"])
     assert res["ok"] and "exhausted" in res["stopped"], res
     assert res["steps"] == 3  # 8 + 8 + 4 groups
 
-    trained = [json.loads(x) for x in (tmp_path / name / "trained_groups.jsonl").read_text().splitlines()]
+    trained = [json.loads(x) for x in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
     assert Counter(t["uid"] for t in trained) == Counter(uids)  # every prompt once: nothing lost or repeated
     client = MlflowClient(res["tracking_uri"])
     for key in ASYNC_METRICS:

@@ -101,3 +101,28 @@ def test_two_files_mixed_by_weight(ray_cluster, cache_dir, tmp_path):
     assert [p.uid for p in val] == ["0/a:0", "0/a:1", "0/a:2", "1/b2:0", "1/b2:1", "1/b2:2"]
     mapped = val_prompts([b], tok, 64, "drop", 2, Columns(prompt="q", answer="ans"))
     assert [(p.uid, p.answer) for p in mapped] == [("b:0", "2"), ("b:1", "2")]
+
+
+def test_train_set_in_few_blocks_keeps_order_and_seeded_shuffles(ray_cluster, monkeypatch):
+    """The training set is shuffled in few blocks (one per SHUFFLE_BLOCK_ROWS rows: a small file's shuffle
+    starts no new Ray workers); the rows keep their order unshuffled, and a seeded epoch is the same order
+    every time it is taken (a resume), another epoch another order."""
+    import ray
+
+    from app.rollout import dataset
+    from app.rollout.dataset import TrainSet, few_blocks
+
+    ctx = ray.data.DataContext.get_current()  # ordered execution, as the rollouter's configure_data_context
+    monkeypatch.setattr(ctx.execution_options, "preserve_order", True)
+    in_order = [f"t:{i}" for i in range(250)]
+    read = ray.data.from_items([{"uid": u} for u in in_order], override_num_blocks=10).materialize()
+    small = few_blocks(read)  # (the blocks the reader and the tokenizer made: 10 here)
+    assert small.num_blocks() == 1
+    assert [r["uid"] for r in TrainSet([small], None, shuffle=False, seed=0).epoch(0)] == in_order
+    monkeypatch.setattr(dataset, "SHUFFLE_BLOCK_ROWS", 100)  # a "big" file: its shuffle stays parallel
+    big = TrainSet([few_blocks(read)], None, shuffle=True, seed=5)
+    assert big.datasets[0].num_blocks() == 3
+    e0 = [r["uid"] for r in big.epoch(0)]
+    assert sorted(e0) == sorted(in_order) and e0 != in_order
+    assert [r["uid"] for r in big.epoch(0)] == e0
+    assert [r["uid"] for r in big.epoch(1)] != e0

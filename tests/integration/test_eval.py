@@ -1,4 +1,4 @@
-"""`python -m app eval` on the embedded model's final checkpoint: per-source mean@n and pass@k in the RESULT
+"""`python -m app eval` on the embedded model's final checkpoint (of test_async.py's keep-mode run, shared): per-source mean@n and pass@k in the RESULT
 line, scores.json and MLflow match a hand count over the rewards of its generations.jsonl; and validation in
 training reports the same scores per source."""
 
@@ -46,9 +46,7 @@ def _hand_count(rows: list[dict]) -> dict[str, dict[str, float]]:
     return {src: {m: sum(v) / len(v) for m, v in ms.items()} for src, ms in out.items()}
 
 
-def test_eval_of_the_final_checkpoint_matches_a_hand_count(
-    ray_cluster, cache_dir, tiny_trained_run, tmp_path
-):
+def test_eval_of_the_final_checkpoint_matches_a_hand_count(ray_cluster, cache_dir, async_keep_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
     data = _two_sources(cache_dir, tmp_path / "two_sources.jsonl")
@@ -58,7 +56,7 @@ def test_eval_of_the_final_checkpoint_matches_a_hand_count(
         "app",
         "eval",
         "--checkpoint",
-        tiny_trained_run["run_dir"],
+        async_keep_run["dir"],
         "--data",
         str(data),
     ]
@@ -69,9 +67,9 @@ def test_eval_of_the_final_checkpoint_matches_a_hand_count(
     eval_s = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = result_of(proc.stdout)
-    print(f"training run {tiny_trained_run['seconds']:.0f}s, eval run {eval_s:.0f}s")
+    print(f"training run {async_keep_run['seconds']:.0f}s, eval run {eval_s:.0f}s")
     assert res["ok"] and res["weights"] == "final export", res
-    assert res["model"] == str(Path(tiny_trained_run["run_dir"], "final")), res
+    assert res["model"] == str(Path(async_keep_run["dir"], "final")), res
     # the run's settings came along (its reward function: `auto`, exact match for these sources)
     assert "settings of the run that wrote the weights" in proc.stderr
     rows = [json.loads(x) for x in Path(res["generations"]).read_text().splitlines()]
@@ -97,13 +95,13 @@ def test_eval_of_the_final_checkpoint_matches_a_hand_count(
     assert {a.path for a in client.list_artifacts(res["run_id"])} >= {"generations.jsonl", "scores.json"}
 
 
-def test_validation_in_training_reports_mean_and_pass_at_k_per_source(tiny_trained_run):
+def test_validation_in_training_reports_mean_and_pass_at_k_per_source(async_keep_run):
     """The run validated with eval.val_n=2 samples per prompt: val/reward is their mean, and mean@2 and
     pass@k of the one source (and `all`) reached MLflow at each validation."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tiny_trained_run["tracking_uri"])
-    run_id = tiny_trained_run["run_id"]
+    client = MlflowClient(async_keep_run["tracking_uri"])
+    run_id = async_keep_run["run_id"]
     hist = {k: client.get_metric_history(run_id, k) for k in ("val/reward", "val/arith/mean_at_2")}
     assert len(hist["val/reward"]) >= 2 and len(hist["val/arith/mean_at_2"]) == len(hist["val/reward"])
     for a, b in zip(hist["val/reward"], hist["val/arith/mean_at_2"], strict=True):

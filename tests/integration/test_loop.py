@@ -22,6 +22,23 @@ def test_generation_carries_versions_and_logprobs(rollout_stack):
             assert s.finish_reason in ("stop", "length")
 
 
+def test_a_cpu_replica_runs_its_vllm_worker_inside_the_engine_core(rollout_stack):
+    """A CPU replica has one vLLM process, its engine core, where the model runs (app/vllm/engine.py
+    `cpu_env`): the pid the worker reports is the engine core's (with vLLM's "mp" executor it is another
+    process, a child of the engine core)."""
+    import psutil
+
+    info = rollout_stack["handle"].info.remote().result(timeout_s=60)
+    names = {}
+    for child in psutil.Process(info["pid"]).children(recursive=True):
+        try:
+            names[child.pid] = " ".join([child.name(), *child.cmdline()])
+        except psutil.NoSuchProcess:
+            continue
+    cores = [pid for pid, name in names.items() if "EngineCore" in name]
+    assert len(cores) == 1 and info["engine_pids"] == cores, (info["engine_pids"], names)
+
+
 def test_trainer_and_vllm_logprobs_match_after_step_and_push(rollout_stack, tmp_path):
     from omegaconf import OmegaConf
     from ray.train import RunConfig, ScalingConfig

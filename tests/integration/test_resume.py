@@ -38,7 +38,9 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
 
     # 24 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
     # before the stop: about 10 steps at most, since the staleness bound holds generation while the group
-    # restarts. B then trains the rest: every prompt B trains is one more step of the suite's time
+    # restarts. B then trains the rest: every prompt B trains is one more step of the suite's time. (Not
+    # steps of 4 groups: generation then runs ahead to the staleness bound, 12 groups queued and none in
+    # flight at the stop, and there is nothing to resume partially)
     uids = _prompts(cache_dir, tmp_path / "train.jsonl", 192)
     common = [
         "algorithm.mode=fully_async",
@@ -227,6 +229,8 @@ def test_watchdog_reports_a_stalled_replica(ray_cluster, cache_dir, tmp_path):
         tmp_path,
         name,
         "train.steps=50",
+        "train.workers=1",  # a stalled replica, not the trainer: one rank (2-rank runs are above)
+        "data.val_size=8",
         "train.stall_timeout_s=45",  # generous: a loaded machine's normal step must not trip it
         "train.timeout_s=300",
         "rollout.request_timeout_s=300",

@@ -26,6 +26,7 @@ def test_a_run_whose_rewards_all_fail_stops_naming_the_first_error(ray_cluster, 
         f"data.train={data}",
         "reward.fn=tests.reward_styles_example:only_marker",
         "reward.fail_fast_samples=8",
+        "train.workers=1",  # the run stops at its first batch's rewards: one trainer rank is enough
     )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1, proc.stderr[-4000:]
