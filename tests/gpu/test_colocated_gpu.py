@@ -192,7 +192,8 @@ def test_colocated_fully_async_trains_every_prompt_once(tp, cache_dir, tmp_path)
     )
     assert "exhausted" in res["stopped"], res
     trained = [
-        json.loads(x) for x in (tmp_path / f"colo-async-tp{tp}" / "trained_groups.jsonl").read_text().splitlines()
+        json.loads(x)
+        for x in (tmp_path / f"colo-async-tp{tp}" / "trained_groups.jsonl").read_text().splitlines()
     ]
     assert Counter(t["uid"] for t in trained) == Counter(r.uid for r in rows)  # every prompt once
 
