@@ -102,6 +102,18 @@ def test_chat_core_records_a_session_that_assembles_into_the_calculator_trajecto
     assert render_chat(TOK, [{"role": "system", "content": "1"}, {"role": "user", "content": "2"}]) == "1\n2"
 
 
+def test_chat_core_keeps_a_session_consistent_when_a_reply_holds_a_special_token():
+    """A reply's UNK is not in the content the client gets back (nor sends back): the next call's context
+    still holds the tokens the model sampled, so the session assembles into one trajectory."""
+    core, _ = _core(lambda text: tool_user(text) + ("\u00e9" if ">" not in text else ""))
+    core.open_session("s1", SESSION)
+    (r1, _), reward = asyncio.run(calc_chat(core, "s1", "12*34="))
+    assert r1["relay"]["token_ids"] == [*enc("[12*34]"), TOK.unk_token_id, EOS] and reward == 1.0
+    calls = core.take_session("s1")
+    assert calls[1].prompt_ids == calls[0].prompt_ids + calls[0].completion_ids + enc(">408|")
+    assert assemble(PROMPT.prompt_ids, calls).turns == 2
+
+
 def test_chat_core_refuses_what_would_falsify_the_record():
     core, _ = _core()
     core.open_session("s", {**SESSION, "max_calls": 1})

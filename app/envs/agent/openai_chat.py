@@ -86,6 +86,7 @@ class ChatSession:
     calls: list[SessionCall] = field(default_factory=list)
     text: str = ""
     ids: list[int] = field(default_factory=list)
+    shown: str = ""  # `text` as the client saw it: the reply without its special tokens (but its EOS)
     touched: float = field(default_factory=time.monotonic)
     started: int = 0  # calls started (refused beyond settings["max_calls"])
 
@@ -184,8 +185,13 @@ class ChatCore:
         return session.calls if session is not None else []
 
     def _prompt_ids(self, session: ChatSession | None, text: str) -> list[int]:
-        if session is not None and session.text and text.startswith(session.text):
-            return session.ids + self._encode(text[len(session.text) :])
+        """The prompt ids of `text`: the session's context ids + the added text's, when `text` extends the
+        context as generated or as the client was shown it (a reply's special tokens other than EOS, an
+        UNK say, are not in its content: the model's context keeps them); else `text` tokenized."""
+        if session is not None and session.text:
+            for seen in (session.text, session.shown):
+                if text.startswith(seen):
+                    return session.ids + self._encode(text[len(seen) :])
         return self._encode(text)
 
     def _encode(self, text: str) -> list[int]:
@@ -229,6 +235,8 @@ class ChatCore:
                 )
             )
             session.text = text + self.tok.decode(s.token_ids, skip_special_tokens=False)
+            eos = self.tok.eos_token if s.token_ids and s.token_ids[-1] == self.tok.eos_token_id else ""
+            session.shown = text + self.tok.decode(s.token_ids, skip_special_tokens=True) + eos
             session.ids = [*prompt_ids, *s.token_ids]
             session.touched = time.monotonic()
         return self._response(sid, len(session.calls) if session else 0, body, prompt_ids, s)
