@@ -522,3 +522,31 @@ def test_prepare_math_takes_the_last_boxed_answer(tmp_path):
     with pytest.raises(mod.PrepareError, match=r"bad.jsonl row 0: the solution has no \\boxed"):
         mod.convert("math", mod.Path(bad), tmp_path / "x.parquet", "train")
     assert mod.main(["math", "--train", bad, "--out", str(tmp_path / "x")]) == 2
+
+
+def test_val_prompts_are_made_in_process_with_the_streams_checks(tmp_path, tokenizer):
+    """Validation prompts: no Ray Data pipeline, the same rows, ids, limits and errors as the stream's."""
+    from app.rollout.dataset import val_prompts
+
+    tokenizer.save_pretrained(tmp_path / "tok")
+    tok = str(tmp_path / "tok")
+    lines = [
+        {"prompt": "12+3=", "answer": "15"},
+        "",
+        {"prompt": "x" * 40, "answer": "1"},
+        {"prompt": "9=", "answer": "9"},
+    ]
+    a = write_jsonl(tmp_path / "a.jsonl", lines)
+    uids = [r.uid for r in load_rows(a)]
+    got = val_prompts(a, tok, 16, "drop", 0)
+    assert [p.uid for p in got] == [uids[0], uids[2]]  # the 40-token prompt does not fit
+    assert got[0].prompt_ids == tokenizer.encode("12+3=", add_special_tokens=False) and got[1].answer == "9"
+    assert [p.uid for p in val_prompts(a, tok, 16, "drop", 1)] == [uids[0]]
+    pq_path = write_verl_parquet(tmp_path / "b.parquet", n=3)
+    both = val_prompts([a, pq_path], tok, 16, "drop", 2)
+    assert len(both) == 3 and both[0].uid != uids[0] and both[-1].answer == "11" and both[-1].chat
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1=", "answer": "1"}, {"prompt": "2="}])
+    with pytest.raises(DataError, match=r"bad\.jsonl row 1 \(line 2\): missing key 'answer'"):
+        val_prompts(bad, tok, 16, "drop", 0)
+    with pytest.raises(DataError, match="no rows"):
+        val_prompts(write_jsonl(tmp_path / "empty.jsonl", [""]), tok, 16, "drop", 0)

@@ -11,6 +11,8 @@ Stages: read -> `Normalize` (one actor: `app.rollout.prompt_files.normalize_row`
 which needs every id of the file in one place) -> `Tokenize` (chat template; `data.truncation=error`
 fails on an overlong prompt, naming the file and row; under `drop` the `PromptStream` counts and skips
 them; a prompt of 0 tokens fails under either, naming the file and row: vLLM cannot generate from it). The training set is materialized once (token ids are small; the object store spills to disk).
+Validation prompts (a few hundred rows) go through the same stages in the rollouter's own process
+(`val_prompts`): no worker process to start for them.
 """
 
 from __future__ import annotations
@@ -400,19 +402,46 @@ def val_prompts(
     val_size: int,
     columns: Columns | None = None,
 ) -> list[Prompt]:
-    """The first `val_size` (0: all) validation prompts of each file that fit `max_prompt_tokens`."""
+    """The first `val_size` (0: all) validation prompts of each file that fit `max_prompt_tokens`.
+
+    Read and tokenized in this process, block by block, through the training stream's own stages (`Prepare`:
+    the same checks, the same messages naming the file and row). A validation set is a few hundred rows at
+    most: a Ray Data pipeline would start a worker process for it (importing the reader and transformers,
+    half a minute of a 2-core machine on every run's critical path) to do milliseconds of work."""
     paths = [paths] if isinstance(paths, str) else list(paths)
     out: list[Prompt] = []
     for i, path in enumerate(paths):
         prefix = uid_prefix(i, len(paths))
-        with data_errors():
-            rows = prompt_dataset(
-                path, tokenizer_path, max_prompt_tokens, truncation, val_size, columns, prefix
-            ).take_all()
+        rows = prepared_rows(path, tokenizer_path, max_prompt_tokens, truncation, val_size, columns, prefix)
         if not rows:
             raise no_rows(check_path(path))
         out += [p for p in map(to_prompt, rows) if len(p.prompt_ids) <= max_prompt_tokens]
     return out
+
+
+def prepared_rows(
+    path: str,
+    tokenizer_path: str,
+    max_prompt_tokens: int,
+    truncation: str,
+    limit: int = 0,
+    columns: Columns | None = None,
+    prefix: str = "",
+) -> list[dict[str, Any]]:
+    """`prompt_dataset`'s rows (`limit` > 0: of the file's first `limit` rows), made in this process."""
+    p = check_path(path)
+    if is_parquet(p):
+        check_columns(p, _parquet_columns(p), columns)
+    prepare = Prepare(str(p), tokenizer_path, max_prompt_tokens, truncation, columns, prefix)
+    rows: list[dict[str, Any]] = []
+    for block in (parquet_blocks if is_parquet(p) else jsonl_blocks)(str(p)):
+        if limit > 0:
+            block = block.slice(0, limit - len(rows))
+        batch = prepare(block)
+        rows += [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        if 0 < limit <= len(rows):
+            break
+    return rows
 
 
 # what Ray Data appends to a failed map's exception (its retry context): not part of the row's error
