@@ -271,12 +271,14 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
 def _start_roles(
     cfg: DictConfig, inputs: Inputs, watch: RolloutStartWatch
 ) -> tuple[DictConfig, Any, Any, Any]:
-    """The weight hub, the run control, the rollout deployment (starting) and the rollouter (ready): the
-    config with the resources resolved, and the hub's, the control's and the rollouter's handles.
+    """The weight hub, the run control, the rollout deployment and the rollouter (both starting): the config
+    with the resources resolved, and the hub's, the control's and the rollouter's handles.
 
     CPU replicas start while the rollouter reads the data and the trainer starts: the trainer's first push
-    waits for the first replica (app/sync.py), and `watch` ends the run at once where the
-    deployment fails to start. GPU replicas start before the trainer (vLLM measures the free memory)."""
+    waits for the first replica (app/sync.py), its first batch for the rollouter (a call waits for the
+    actor's start), and `watch` ends the run at once where the deployment or the rollouter fails to start
+    (a bad data row: the DataError naming its file and row). GPU replicas start before the trainer (vLLM
+    measures the free memory)."""
     import ray
 
     from app.infra import ray_compat
@@ -299,7 +301,8 @@ def _start_roles(
         .options(name=rollouter_name(cfg.ray.name), namespace=NAMESPACE, num_cpus=0, max_concurrency=256)
         .remote(to_container(cfg), inputs.model_path, inputs.train, inputs.val)
     )
-    ray.get([rollouter.progress.remote(), hub.status.remote()], timeout=300)
+    ray.get(hub.status.remote(), timeout=300)
+    watch.expect(rollouter.progress.remote(), "the rollouter's start (reading and tokenizing the prompts)")
     if cfg.rollout.replica_gpus > 0:  # vLLM sizes its KV cache from the GPU memory free at its start: the
         watch.wait(cfg.rollout.join_timeout_s)  # trainer comes after
     return cfg, hub, control, rollouter
@@ -314,6 +317,22 @@ class RolloutStartWatch:
         self.app, self.every_s = app, every_s
         self.running = False
         self.next_check = 0.0
+        self.pending: dict[Any, str] = {}  # other starts whose failure ends the run: ref -> what it is
+
+    def expect(self, ref: Any, what: str) -> None:
+        """Also watch `ref` (an actor's first call, answered once its constructor ran): its error ends the run."""
+        self.pending[ref] = what
+
+    def _check_pending(self) -> None:
+        import ray
+
+        if not self.pending:
+            return
+        done, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)
+        for ref in done:
+            what = self.pending.pop(ref)
+            ray.get(ref)  # raises the constructor's error (a UserError inside stays visible: app/errors.py)
+            log.info("%s: done", what)
 
     def wait(self, timeout_s: float) -> None:
         """Until the application runs (raises where it failed, or after `timeout_s`)."""
@@ -328,6 +347,7 @@ class RolloutStartWatch:
             time.sleep(0.5)
 
     def __call__(self) -> None:
+        self._check_pending()
         if self.running or time.monotonic() < self.next_check:
             return
         from ray import serve
@@ -489,6 +509,8 @@ def fit_with_clean_stop(fit: Callable[[], Any], control: Any, watch: Callable[[]
     finally:
         restore()
     if "error" in box:
+        if watch is not None:
+            watch()  # where a start failed (the rollouter's DataError), that is the news, not the workers' error
         raise box["error"]
     return box["result"]
 

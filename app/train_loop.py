@@ -353,15 +353,20 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
 
 
 def lookup_actors(prefix: str, timeout_s: float) -> Actors:
-    """The actors of run `prefix` (created by app/driver.py), looked up by name."""
+    """The actors of run `prefix` (created by app/driver.py), looked up by name, once the rollouter has
+    started (the driver does not wait for it: it reads the prompts while the trainer starts)."""
     from app.rollout.rollouter import rollouter_name
     from app.weights.actors import get_actor
     from app.weights.control import control_name
     from app.weights.hub import hub_name
 
-    return Actors(
+    actors = Actors(
         hub=get_actor(hub_name(prefix)),
         control=get_actor(control_name(prefix)),
         rollouter=get_actor(rollouter_name(prefix)),
         timeout_s=timeout_s,
     )
+    actors.get(
+        actors.rollouter.progress.remote(), "the rollouter's start (reading and tokenizing the prompts)"
+    )
+    return actors

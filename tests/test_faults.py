@@ -212,6 +212,42 @@ def test_rollout_start_watch_reports_a_failed_deployment(monkeypatch):
         RolloutStartWatch("r-rollout", every_s=0.0).wait(1)
 
 
+def test_a_rollouter_that_fails_to_start_ends_the_run_with_its_own_error(monkeypatch):
+    """The trainer starts while the rollouter reads the prompts: the watch raises the rollouter's error (a bad
+    row's DataError), also when the trainer's workers failed first on the dead rollouter."""
+    import ray
+    from ray import serve
+
+    from app.driver import RolloutStartWatch, fit_with_clean_stop
+    from app.rollout.prompt_files import DataError
+
+    ready: list[str] = []
+    bad = DataError("train.jsonl row 4100 (line 4101): missing key 'answer'")
+
+    def wait(refs, num_returns, timeout):
+        assert timeout == 0  # a poll, never a wait
+        return [r for r in refs if r in ready], [r for r in refs if r not in ready]
+
+    def get(ref):
+        raise bad
+
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", get)
+    deploying = SimpleNamespace(status="DEPLOYING", message="")
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications={"r-rollout": deploying}))
+    watch = RolloutStartWatch("r-rollout", every_s=0.0)
+    watch.expect("rollouter-progress", "the rollouter's start")
+    watch()  # still reading: nothing to say
+    ready.append("rollouter-progress")
+
+    def fit() -> str:
+        raise RuntimeError("Training failed due to worker errors: ActorDiedError")
+
+    control = SimpleNamespace(request_stop=SimpleNamespace(remote=lambda reason: None))
+    with pytest.raises(DataError, match="row 4100"):
+        fit_with_clean_stop(fit, control, watch)
+
+
 class EngineDeadError(RuntimeError):
     """Stands for vLLM's (a replica's requests raise it once its EngineCore process died)."""
 

@@ -43,8 +43,17 @@ class Actors:
         try:
             return ray.get(ref, timeout=self.timeout_s + slack)
         except ray.exceptions.GetTimeoutError:
-            prog = ray.get(self.rollouter.progress.remote(), timeout=10)
-            status = ray.get(self.hub.status.remote(), timeout=10)
+            prog, status = _answer(self.rollouter.progress.remote()), _answer(self.hub.status.remote())
             raise TimeoutError(
                 f"waited train.timeout_s={self.timeout_s}s for {what}; rollouter={prog}; hub={status}"
             ) from None
+
+
+def _answer(ref: Any, timeout_s: float = 10.0) -> Any:
+    """`ray.get(ref)` for an error message: what went wrong instead, where it failed or took over `timeout_s`."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except Exception as e:
+        return f"no answer within {timeout_s:g}s ({type(e).__name__})"
