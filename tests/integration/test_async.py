@@ -110,7 +110,10 @@ def test_fully_async_drains_the_data_once_within_the_bound(
     if partial == "keep":  # shared with test_eval.py (validation settings: EVAL_VALIDATION)
         res = request.getfixturevalue("async_keep_run")
     else:
-        res = async_run(ray_cluster, cache_dir, tmp_path, partial, correction, eta, over_bound)
+        # one trainer rank: these runs are about the rollout (keep, which test_eval shares, trains on two)
+        res = async_run(
+            ray_cluster, cache_dir, tmp_path, partial, correction, eta, over_bound, "train.workers=1"
+        )
     uids, run_dir = res["uids"], Path(res["dir"])
     assert res["ok"] and "exhausted" in res["stopped"], res
     assert res["steps"] == 3  # 8 + 8 + 4 groups

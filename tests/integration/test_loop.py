@@ -148,6 +148,7 @@ def test_one_step_off_code_task_end_to_end(ray_cluster, cache_dir, tmp_path):
         "reward.overlap=false",
         "ref.workers=1",
         "algorithm.kl_coef=0.05",
+        "train.workers=1",  # one trainer rank: this test is not about the trainer (2-rank runs: async keep, resume, LoRA resume)
     )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

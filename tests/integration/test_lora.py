@@ -40,6 +40,7 @@ def test_lora_fully_async_pushes_adapters_without_a_pause(ray_cluster, cache_dir
         "data.val_size=8",
         "algorithm.val_every=2",
         "model.lora_merge=true",
+        "train.workers=1",  # one trainer rank (the sync + resumed run below trains on two)
         config="lora",
     )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

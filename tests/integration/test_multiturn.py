@@ -38,6 +38,7 @@ def test_calculator_episodes_fully_async_once_each(ray_cluster, cache_dir, tmp_p
         "data.epochs=1",
         "data.val_size=16",
         "algorithm.val_every=2",
+        "train.workers=1",  # one trainer rank: this test is not about the trainer (2-rank runs: async keep, resume, LoRA resume)
         config="calc",
     )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -43,6 +43,7 @@ def test_rollout_scales_out_and_in_mid_run(ray_cluster, cache_dir, tmp_path):
         "train.steps=500",  # ended by a clean stop once the scale-out and scale-in are seen
         "algorithm.val_every=1000",
         "rollout.scaling=external",
+        "train.workers=1",  # one trainer rank: this test is not about the trainer (2-rank runs: async keep, resume, LoRA resume)
     )
     log = tmp_path / "stderr.log"
     with open(log, "w") as err:

@@ -153,6 +153,7 @@ def test_fully_async_across_two_nodes_trains_each_prompt_once(ray_cluster, cache
     cmd += [f"ray.address={address}", f"ray.name={name}", f"run_dir={shared}", f"tracking.run_name={name}"]
     cmd += [f"model.cache_dir={cache_dir}", f"data.train={tmp_path / 'train.jsonl'}", "data.epochs=1"]
     cmd += ["train.steps=100", "data.val_size=8", "rollout.max_num_seqs=8"]  # the data (16 prompts) ends it
+    cmd += ["train.workers=1"]  # one trainer rank, on the train node (2-rank runs: async keep, resume)
     cmd += ["resources.rollout_custom={rollout_node: 0.01}", "resources.train_custom={train_node: 0.01}"]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
