@@ -29,6 +29,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ConfigTypeError, ValidationError
 
+from app import tasks as builtin_tasks
 from app.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -136,8 +137,8 @@ class _Section:
                 )
 
 
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-code", "builtin:tiny-calc")
-BUILTIN_DATA = ("builtin:arith", "builtin:code", "builtin:calc")
+BUILTIN_MODELS = tuple(builtin_tasks.MODELS)
+BUILTIN_DATA = tuple(builtin_tasks.TASKS)
 
 
 @dataclass
@@ -1007,19 +1008,9 @@ class RelayConfig(_Section):
             f"{self.reward.overlong_buffer} >= rollout.max_tokens ({self.rollout.max_tokens}): every response "
             "would be punished; the buffer is the last stretch before max_tokens (DAPO: 4k of 20k)",
         )
-        calc = "builtin:calc" in (self.data.train, self.data.val)
-        _check(
-            f"{prefix}env.name",
-            not calc or self.env.name in ("calculator", "openai_agent"),
-            f"{self.env.name!r}: builtin:calc is answered with the calculator tool; set env.name=calculator "
-            "(`--config calc` sets the task up; or openai_agent with an agent that calls it: `--config calc_agent`)",
-        )
-        _check(
-            f"{prefix}model.path",
-            not calc or self.model.path not in ("builtin:tiny", "builtin:tiny-code"),
-            f"{self.model.path}: builtin:calc needs a tokenizer with the calculator's symbols; use "
-            "model.path=builtin:tiny-calc or a real model",
-        )
+        specs = [*data_files(self.data.train), *data_files(self.data.val, "data.val")]
+        for key, problem in builtin_tasks.task_problems(self.model.path, self.env.name, specs):
+            _check(f"{prefix}{key}", False, problem)  # a built-in task's model and environment (app/tasks)
         budget = self.data.max_prompt_tokens + self.env.max_total_tokens
         _check(
             f"{prefix}env.max_total_tokens",
@@ -1028,13 +1019,6 @@ class RelayConfig(_Section):
             f"rollout.max_model_len ({self.rollout.max_model_len}); lower it or raise max_model_len",
         )
         _check_real_model(self)
-        _check(
-            f"{prefix}data.train",
-            not (self.model.path == "builtin:tiny" and "builtin:code" in (self.data.train, self.data.val)),
-            "builtin:code needs a tokenizer that can write programs: model.path=builtin:tiny-code (the tiny "
-            "model with an ASCII tokenizer; `--config code` sets it up) or a real instruction-tuned model; "
-            "the arithmetic tiny model's tokenizer only knows digits and a few letters",
-        )
         _check(
             f"{prefix}eval.val_n",
             self.eval.val_n == 1 or self.algorithm.val_temperature > 0,

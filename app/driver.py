@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from app import tasks as builtin_tasks
 from app.config import ConfigError, data_files, flatten, to_container
 from app.envs import env_kind
 from app.model_path import resolve_model_path
@@ -65,37 +66,16 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
     specs = {"train": data_files(cfg.data.train), "val": data_files(cfg.data.val, "data.val")}
     for spec in (s for files in specs.values() for s in files if not s.startswith("builtin:")):
         check_file(spec, columns)  # missing, unknown format, columns, first rows: before the cluster starts
-    root = None
-    model_path = cfg.model.path
-    if model_path == "builtin:tiny" or "builtin:arith" in (*specs["train"], *specs["val"]):
-        from app.tasks.tiny import ensure_builtin
-
-        root = ensure_builtin(cfg.model.cache_dir, seed=cfg.seed)
 
     def path(spec: str, split: str) -> str:
-        if spec == "builtin:arith":
-            return str(root / f"{split}.jsonl")
-        if spec == "builtin:code":
-            from app.tasks.code import ensure_code_task
-
-            return str(ensure_code_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
-        if spec == "builtin:calc":
-            from app.tasks.calc import ensure_calc_task
-
-            return str(ensure_calc_task(cfg.model.cache_dir, seed=cfg.seed) / f"{split}.jsonl")
+        if spec in builtin_tasks.TASKS:  # a built-in task's folder holds train.jsonl and val.jsonl
+            return str(builtin_tasks.task_folder(spec, cfg.model.cache_dir, cfg.seed) / f"{split}.jsonl")
         return str(Path(spec).expanduser().resolve())
 
     train, val = ([path(f, split) for f in specs[split]] for split in ("train", "val"))
-    if model_path == "builtin:tiny":
-        model_path = str(root / "model")
-    elif model_path == "builtin:tiny-calc":
-        from app.tasks.calc import ensure_builtin_calc
-
-        model_path = str(ensure_builtin_calc(cfg.model.cache_dir, seed=cfg.seed) / "model")
-    elif model_path == "builtin:tiny-code":
-        from app.tasks.tiny import ensure_builtin_code
-
-        model_path = str(ensure_builtin_code(cfg.model.cache_dir, seed=cfg.seed) / "model")
+    model_path = cfg.model.path
+    if model_path in builtin_tasks.MODELS:
+        model_path = str(builtin_tasks.model_folder(model_path, cfg.model.cache_dir, cfg.seed))
     else:
         model_path = resolve_model_path(model_path)  # a folder (`~` expanded) or a hub id
     check_context(cfg, model_path)

@@ -394,6 +394,28 @@ def test_wrong_type_in_a_config_file_names_key_and_expectation(tmp_path):
         load_config(str(f), [])
 
 
+def test_builtin_tasks_are_checked_against_their_registry_entries():
+    """app/tasks' registry says which built-in models can write a task and which environments answer it."""
+    from app.tasks import task_problems
+
+    with pytest.raises(
+        ConfigError, match=r"'model\.path': builtin:tiny: builtin:calc needs a tokenizer with the"
+    ):
+        load_config(None, ["data.train=builtin:calc", "data.val=builtin:calc", "env.name=calculator"])
+    with pytest.raises(
+        ConfigError, match=r"'env\.name': '': builtin:calc is answered with a tool; set env\.name="
+    ):
+        load_config(None, ["data.train=builtin:calc", "model.path=builtin:tiny-calc"])
+    assert load_config("calc", []).data.train == "builtin:calc"  # the preset sets it up
+    assert task_problems("Qwen/Qwen2.5-0.5B", "calculator", ["builtin:calc"]) == []  # a real model may
+    assert task_problems("builtin:tiny-code", "", ["builtin:arith", "x.jsonl"]) == []
+    assert [k for k, _ in task_problems("builtin:tiny", "", ["builtin:code", "builtin:calc"])] == [
+        "model.path",
+        "model.path",
+        "env.name",
+    ]
+
+
 def test_user_error_is_one_line_with_the_traceback_only_at_debug(tmp_path):
     """A missing data file: one line naming the file and the fix, RESULT ok=false; at DEBUG, the traceback."""
     val = tmp_path / "val.jsonl"
