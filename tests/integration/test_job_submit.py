@@ -132,6 +132,7 @@ def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_clus
         entry = [sys.executable, "-m", "app", "train", "--config", "quick", "train.steps=100", "ray.name=job"]
         entry += [f"model.cache_dir={cache_dir}", "tracking.register_model=relay-job-test"]  # default run_dir
         entry += ["tracking.run_name=jobrun", "algorithm.val_every=2"]
+        entry += ["train.workers=1"]  # one trainer rank: the test is about the job, its stop and its results
         # `ray job stop` sends SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s unless set in the job's
         # runtime env): the clean stop needs the step in progress, a final checkpoint and the MLflow run
         stop_wait = '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}'
