@@ -410,9 +410,9 @@ class RolloutConfig(_Section):
             self.max_replicas >= self.min_replicas,
             f"{self.max_replicas} is below {prefix}min_replicas={self.min_replicas}; raise it or lower that",
         )
-        self._check_tensor_parallel(prefix)
+        self._check_gpu_share_per_worker(prefix)
 
-    def _check_tensor_parallel(self, prefix: str) -> None:
+    def _check_gpu_share_per_worker(self, prefix: str) -> None:
         tp, gpus = self.tensor_parallel_size, self.replica_gpus
         if tp == 1 or gpus == 0:  # (a CPU replica with tp > 1 is refused once resources are resolved)
             return

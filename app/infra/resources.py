@@ -71,7 +71,7 @@ def resolve(cfg: Any, cluster: dict[str, float]) -> dict[str, Any]:
             out[key] = total / units
     if r.rollout_gpus and r.gpus_per_replica:
         out.update(_replicas(r.rollout_gpus, r.gpus_per_replica, r.rollout_cpus, gpus, cpus))
-    _check_tensor_parallel(cfg, out)
+    _refuse_tensor_parallel_on_cpu(cfg, out)
     if r.train_gpus:
         total = _total(r.train_gpus, gpus)
         if total <= 0 or (total > 1 and abs(total - round(total)) > 1e-9):
@@ -126,7 +126,7 @@ def colocated(cfg: Any, gpus: float) -> dict[str, Any]:
     }
 
 
-def _check_tensor_parallel(cfg: Any, overrides: dict[str, Any]) -> None:
+def _refuse_tensor_parallel_on_cpu(cfg: Any, overrides: dict[str, Any]) -> None:
     """A tensor-parallel replica runs on GPUs: refuse one that would run on CPU."""
     tp = int(cfg.rollout.tensor_parallel_size)
     if tp > 1 and float(overrides.get("rollout.replica_gpus", cfg.rollout.replica_gpus)) <= 0:
