@@ -207,15 +207,21 @@ class Prepare:
         return self.tokenize(self.normalize(batch))
 
 
+def checked_file(path: str, columns: Columns | None = None) -> Path:
+    """`path`, checked: it exists with a known format, and a parquet file has a prompt file's columns."""
+    p = check_path(path)
+    if is_parquet(p):
+        check_columns(p, _parquet_columns(p), columns)
+    return p
+
+
 def read_records(path: str, limit: int = 0, columns: Columns | None = None):
     """The raw records of one prompt file (`limit` > 0: its first `limit` rows) as a Ray Data dataset, read on
     this node (`PromptFile`)."""
     import ray
 
     configure_data_context()
-    p = check_path(path)  # here, on the rollouter's node, where the read task is pinned
-    if is_parquet(p):
-        check_columns(p, _parquet_columns(p), columns)
+    p = checked_file(path, columns)  # here, on the rollouter's node, where the read task is pinned
     ds = ray.data.read_datasource(_prompt_file(str(p)), num_cpus=0.25)
     return ds.limit(limit) if limit > 0 else ds
 
@@ -429,9 +435,7 @@ def prepared_rows(
     prefix: str = "",
 ) -> list[dict[str, Any]]:
     """`prompt_dataset`'s rows (`limit` > 0: of the file's first `limit` rows), made in this process."""
-    p = check_path(path)
-    if is_parquet(p):
-        check_columns(p, _parquet_columns(p), columns)
+    p = checked_file(path, columns)
     prepare = Prepare(str(p), tokenizer_path, max_prompt_tokens, truncation, columns, prefix)
     rows: list[dict[str, Any]] = []
     for block in (parquet_blocks if is_parquet(p) else jsonl_blocks)(str(p)):
