@@ -662,6 +662,11 @@ class SyncConfig(_Section):
     `pkg.module:Name` whose module registers or defines it (imported by the trainer and every vLLM worker)."""
     verify: bool = True
     """Compare every replica's checksum of what it loaded with the trainer's."""
+    staged_receive: bool = False
+    """Replicas receive each push while they generate, into staging buffers (one more copy of the pushed
+    weights in each vLLM worker's memory: leave room for it with a lower `rollout.gpu_memory_utilization`), and
+    pause generation only to copy them into the model (app/weights/staging.py). false: generation is paused for
+    the whole transfer and load."""
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "bucket_mb": rng("> 0"),

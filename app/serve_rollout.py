@@ -67,6 +67,7 @@ class RolloutServer:
         drain_timeout_s: float = 120.0,
         lora: dict[str, Any] | None = None,
         bundle_share: float = 0.0,
+        staged: bool = False,
     ) -> None:
         import ray
 
@@ -104,6 +105,7 @@ class RolloutServer:
             started=self.started,
             lora=lora,
             workers=workers,
+            staged=staged and lora is None,  # an adapter push never pauses: nothing to stage
         )
         await self.sync.start(join_timeout_s)
 
@@ -273,6 +275,7 @@ def build_app(cfg, model_path: str):
         drain_timeout_s=r.request_timeout_s,  # partial=off: requests inside finish first, each within this
         lora=adapter_spec(cfg, model_path),
         bundle_share=worker_share(r) if placement else 0.0,
+        staged=bool(cfg.sync.staged_receive),
     )
 
 

@@ -481,8 +481,12 @@ class ReplicaSync:
         started: float | None = None,
         lora: dict[str, Any] | None = None,
         workers: int = 1,
+        staged: bool = False,
     ) -> None:
         self.engine, self.replica_id, self.hub = engine, replica_id, hub
+        # sync.staged_receive: receive while generating, pause only to copy (app/weights/staging.py)
+        self.staged = staged
+        self.group_timeout_s = 60.0  # the current epoch's deadline (`GroupInfo.timeout_s`), set at each join
         # LoRA (rollout.partial=finish_on_old): the LoraSpec of the pushed adapters, as a dict, and the adapters
         # this replica holds (app/vllm/adapters.py), each a PEFT folder under adapter_root
         self.lora = lora
@@ -658,7 +662,7 @@ class ReplicaSync:
                 group_json=group_to_json(g),
                 first_rank=instr.rank,
             )
-            self.epoch = g.epoch
+            self.epoch, self.group_timeout_s = g.epoch, g.timeout_s
             await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail={"workers": res}))
         except Exception as e:
             self.last_error = f"join of epoch {g.epoch} failed: {e}"
@@ -681,7 +685,9 @@ class ReplicaSync:
         checksums and each phase's seconds (see those two)."""
         ph: dict[str, float] = {"wake_s": max(0.0, time.time() - announced_at) if announced_at else 0.0}
         try:
-            load = self._load_adapter if self.lora else self._load_weights
+            load = (
+                self._load_adapter if self.lora else self._load_staged if self.staged else self._load_weights
+            )
             res = await load(plan, ph)
             self.admitted.set()
             ph.update(
@@ -755,16 +761,39 @@ class ReplicaSync:
                 log.warning("replica %s: removing adapter %s failed: %r", self.replica_id, a.name, e)
             shutil.rmtree(a.path, ignore_errors=True)
 
+    async def _load_staged(self, plan: PushPlan, ph: dict[str, float]) -> list[dict[str, Any]]:
+        """`sync.staged_receive`: the workers receive into staging buffers while the engine generates (stage),
+        then generation pauses only while they copy the staged tensors into the model (`relay_swap`). Phases:
+        stage (from the announcement's arrival to every worker's notice), then as `_load_weights`."""
+        from app.weights.staging import stage_notices
+
+        what = f"replica {self.replica_id}, push of v{plan.version}"
+        t0 = time.perf_counter()
+        async with stage_notices(self.workers) as notices:
+            await vla.rpc(
+                self.engine, "relay_stage", timeout=30, plan_json=plan_to_json(plan), notify=notices.path
+            )
+            await notices.wait(self.group_timeout_s + 5, what)
+        ph["stage_s"] = time.perf_counter() - t0
+        return await self._paused(plan, ph, "relay_swap", timeout_s=self.group_timeout_s)
+
     async def _load_weights(self, plan: PushPlan, ph: dict[str, float]) -> list[dict[str, Any]]:
-        """Pause, receive and load in every worker, set the version, resume. Phases: drain, pause, receive (the
-        workers' RPC: transfer and load inside it), version, resume, and held (generation paused)."""
+        """The paused receive: the workers receive and load the whole push while generation is paused."""
+        return await self._paused(plan, ph, "relay_receive", plan_json=plan_to_json(plan))
+
+    async def _paused(
+        self, plan: PushPlan, ph: dict[str, float], method: str, **kw: Any
+    ) -> list[dict[str, Any]]:
+        """Pause, run `method` in every worker (receive and load the push, or load the staged one), set the
+        version, resume. Phases: drain, pause, receive (the workers' RPC: transfer and load inside it), version,
+        resume, and held (generation paused)."""
         t0 = time.perf_counter()
         async with self._drained(plan.version):
             t1 = time.perf_counter()
             await vla.pause(self.engine, self.partial, self.recompute_kv)
             t2 = time.perf_counter()
             try:
-                res = await vla.rpc(self.engine, "relay_receive", timeout=None, plan_json=plan_to_json(plan))
+                res = await vla.rpc(self.engine, method, timeout=None, **kw)
             finally:
                 t3 = time.perf_counter()
                 await self._set_version(plan.version)

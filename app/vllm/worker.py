@@ -75,16 +75,54 @@ class RelayWorkerExtension:
             return self._relay_receive_adapter(transport, plan, adapter_dir, adapter_json)
         self._relay_pushed = {t.name: (tuple(t.shape), t.dtype) for b in plan.buckets for t in b.tensors}
         model = self.get_model()
+        load, loader = self._relay_loader(model, plan, load)
+        t0 = time.perf_counter()
+        with self._relay_reload(model, load == "layerwise"):
+            checksums, timing = transport.receive(plan, loader, self._relay_device())
+        return {"checksums": checksums, **timing, "load": load, "receive_s": time.perf_counter() - t0}
+
+    def relay_stage(self, plan_json: str, notify: str) -> dict[str, Any]:
+        """Start receiving one push in a thread into this worker's staging buffers (`app/weights/staging.py`) and
+        return at once: the engine keeps generating with the old weights meanwhile. The thread sends one line
+        to the Unix socket `notify` when it is done; `relay_swap` then loads what it received."""
+        from app.weights.staging import StagedPush
+
+        transport = getattr(self, "_relay_transport", None)
+        if transport is None:
+            raise RuntimeError("relay_stage before relay_join: this worker is not in the weight group")
+        if not hasattr(self, "_relay_buffers"):
+            self._relay_buffers: dict[str, torch.Tensor] = {}
+        self._relay_stage = StagedPush(
+            transport, plan_from_json(plan_json), self._relay_device(), self._relay_buffers
+        )
+        self._relay_stage.start(notify)
+        return {"staging": True}
+
+    def relay_swap(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Load the staged push into the model (generation is paused by the caller); returns what
+        `relay_receive` returns: the received buckets' checksums, timings (`load_s`: this copy) and the load."""
+        stage = getattr(self, "_relay_stage", None)
+        if stage is None:
+            raise RuntimeError("relay_swap without a staged push (relay_stage first)")
+        self._relay_stage = None
+        plan = stage.plan
+        self._relay_pushed = {t.name: (tuple(t.shape), t.dtype) for b in plan.buckets for t in b.tensors}
+        model = self.get_model()
+        load, loader = self._relay_loader(model, plan, None)
+        t0 = time.perf_counter()
+        with self._relay_reload(model, load == "layerwise"):
+            res = stage.load(loader, timeout_s)
+        return {**res, "load": f"staged {load}", "receive_s": time.perf_counter() - t0}
+
+    def _relay_loader(self, model: Any, plan: Any, load: str | None) -> tuple[str, Callable[[list], None]]:
+        """How this push loads (`relay_receive`'s `load`) and the loader of one bucket's tensors."""
         if load is None:
             load = "layerwise" if self._relay_needs_reload() else "slots"
         loader = self._relay_slot_loader(model, plan) if load == "slots" else None
         if loader is None:
             load = "layerwise" if load == "layerwise" else "weights"
             loader = lambda items: model.load_weights(items)  # noqa: E731
-        t0 = time.perf_counter()
-        with self._relay_reload(model, load == "layerwise"):
-            checksums, timing = transport.receive(plan, loader, self._relay_device())
-        return {"checksums": checksums, **timing, "load": load, "receive_s": time.perf_counter() - t0}
+        return load, loader
 
     def _relay_receive_adapter(self, transport: Any, plan: Any, adapter_dir: str, adapter_json: str) -> dict:
         """Receive an adapter push into host memory and write it as a PEFT folder (worker rank 0; every

@@ -79,6 +79,8 @@ def async_run(
         # keep: the frozen generations keep their KV cache (PipelineRL's in-flight update); the default,
         # recomputing it, runs in test_multiturn's fully_async keep episodes
         *(["rollout.recompute_kv=false"] if partial == "keep" else []),
+        # keep: the pushes are staged (received while generating, the pause only copies them in)
+        *(["sync.staged_receive=true"] if partial == "keep" else []),
         "train.steps=100",  # the data (20 prompts, one epoch) ends the run first
         f"data.train={tmp_path / 'train.jsonl'}",
         "data.epochs=1",
@@ -138,6 +140,9 @@ def test_fully_async_drains_the_data_once_within_the_bound(
         assert max(m.value for m in client.get_metric_history(res["run_id"], "sync/pause_s")) > 0
         return
     assert max(spans) >= 1, spans
+    if partial == "keep":  # every push after the first was staged by the replica's vLLM worker
+        staged = [m.value for m in client.get_metric_history(res["run_id"], "sync/replica/stage_s")]
+        assert staged and min(staged) > 0, staged
     if partial == "resubmit":
         assert client.get_metric_history(res["run_id"], "async/resubmitted")[-1].value > 0
     assert max(m.value for m in client.get_metric_history(res["run_id"], "async/partial_ratio")) > 0
