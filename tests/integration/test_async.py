@@ -50,10 +50,20 @@ EVAL_VALIDATION = ("eval.val_n=2", "algorithm.val_temperature=1.0", "eval.k=[1,2
 
 
 def async_run(
-    ray_cluster, cache_dir, tmp_path, partial: str, correction: str, eta: float, over_bound: str, *extra: str
+    ray_cluster,
+    cache_dir,
+    tmp_path,
+    partial: str,
+    correction: str,
+    eta: float,
+    over_bound: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    quiet_allowed: tuple[str, ...] = (),
 ) -> dict:
-    """A fully_async CLI run over 20 prompts (one epoch): its RESULT with `uids` (the prompts), `dir` (the
-    run folder) and `seconds`."""
+    """A fully_async CLI run over 20 prompts (one epoch) on the cluster at `ray_cluster["address"]` (`env`:
+    the CLI's environment, else this process's; `quiet_allowed`: for `assert_quiet`): its RESULT with `uids`
+    (the prompts), `dir` (the run folder) and `seconds`."""
     t0 = time.monotonic()
     uids = _prompts(cache_dir, tmp_path / "train.jsonl", 20)
     name = f"async-{partial}"
@@ -88,9 +98,10 @@ def async_run(
         "algorithm.val_every=1",
         *extra,
     )
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_quiet(proc.stdout, proc.stderr)  # no Ray/Serve/Train shutdown noise in a clean run's log
+    # no Ray/Serve/Train shutdown noise in a clean run's log
+    assert_quiet(proc.stdout, proc.stderr, quiet_allowed)
     (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
     res = json.loads(line)
     return {**res, "uids": uids, "dir": str(tmp_path / name), "seconds": time.monotonic() - t0}
@@ -111,6 +122,8 @@ def test_fully_async_drains_the_data_once_within_the_bound(
 
     if partial == "keep":  # shared with test_eval.py (validation settings: EVAL_VALIDATION)
         res = request.getfixturevalue("async_keep_run")
+    elif partial == "off":  # shared with test_two_nodes.py (run on a cluster of two nodes)
+        res = request.getfixturevalue("async_off_two_nodes_run")
     else:
         # one trainer rank: these runs are about the rollout (keep, which test_eval shares, trains on two)
         res = async_run(

@@ -5,9 +5,10 @@ pins the vLLM replica to the first (`resources.rollout_custom`) and the trainer 
 own address. `fully_async`, one epoch: every prompt trained exactly once, the run folder (and MLflow store)
 on a path both nodes share.
 
-The cluster is this test's own, driven by a `python -m app train` subprocess (the pytest process stays the
-shared cluster's driver). Every process it starts is stopped by process group, and any Ray worker they leave
-behind by pid.
+The run is test_async.py's `rollout.partial=off` run (the session fixture `async_off_two_nodes_run`: one CLI
+run serves both tests). The cluster is its own, driven by a `python -m app train` subprocess (the pytest
+process stays the shared cluster's driver). Every process it starts is stopped by process group, and any Ray
+worker they leave behind by pid.
 """
 
 from __future__ import annotations
@@ -16,20 +17,22 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from app.infra.ray_compat import forget_stale_cluster_address
 from tests.integration.conftest import REPO
-from tests.integration.test_async import _prompts
 
 log = logging.getLogger(__name__)
 TRAIN_NODE_IP = "127.0.0.2"  # a loopback address of its own: the push must go to the trainer node's address
+# the run's placement: the replica on the head (rollout_node), the trainer on the second node (train_node)
+PLACEMENT = ("resources.rollout_custom={rollout_node: 0.01}", "resources.train_custom={train_node: 0.01}")
 
 
 def _ray_start(env: dict[str, str], *args: str) -> subprocess.Popen:
@@ -140,47 +143,42 @@ def _wait_nodes(env: dict[str, str], address: str, count: int, nodes: list[subpr
         time.sleep(2)
 
 
-def test_fully_async_across_two_nodes_trains_each_prompt_once(ray_cluster, cache_dir, tmp_path):
+@contextmanager
+def two_node_cluster(ray_cluster: dict) -> Iterator[tuple[str, dict[str, str], float]]:
+    """The two nodes started (`_start_cluster`) and stopped at the end (`_stop`): the head's address, the
+    environment a CLI run on them needs, and the seconds their start took."""
     t0 = time.monotonic()
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 16)
     env = {k: v for k, v in ray_cluster["env"].items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"  # a throwaway loopback cluster, as the shared one
     nodes, address = _start_cluster(env)
-    started_s = time.monotonic() - t0
-    name = "two-nodes"
-    shared = tmp_path / "shared"  # run_dir: what both nodes must reach (one machine: any local path)
-    cmd = [sys.executable, "-m", "app", "train", "--config", "quick", "algorithm.mode=fully_async"]
-    cmd += [f"ray.address={address}", f"ray.name={name}", f"run_dir={shared}", f"tracking.run_name={name}"]
-    cmd += [f"model.cache_dir={cache_dir}", f"data.train={tmp_path / 'train.jsonl'}", "data.epochs=1"]
-    cmd += ["train.steps=100", "data.val_size=8", "rollout.max_num_seqs=8"]  # the data (16 prompts) ends it
-    cmd += ["train.workers=1"]  # one trainer rank, on the train node (2-rank runs: async keep, resume)
-    cmd += ["resources.rollout_custom={rollout_node: 0.01}", "resources.train_custom={train_node: 0.01}"]
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        yield address, env, time.monotonic() - t0
     finally:
         _stop(nodes)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
-    res = json.loads(line)
-    assert res["ok"] and "exhausted" in res["stopped"], res
-    assert res["steps"] == 2 and res["weight_version"] == 2, res  # 8 + 8 groups
 
-    run = shared / name
+
+def test_fully_async_across_two_nodes_trains_each_prompt_once(async_off_two_nodes_run):
+    res = async_off_two_nodes_run
+    assert res["ok"] and "exhausted" in res["stopped"], res
+    assert res["steps"] == 3 and res["weight_version"] == 3, res  # 8 + 8 + 4 groups
+
+    run = Path(res["dir"])
     trained = [json.loads(x) for x in (run / "trained_groups.jsonl").read_text().splitlines()]
-    assert Counter(t["uid"] for t in trained) == Counter(uids)  # nothing lost, nothing trained twice
+    assert Counter(t["uid"] for t in trained) == Counter(res["uids"])  # nothing lost, nothing trained twice
     st = json.loads((run / "rollout_members.json").read_text())
     (member,) = st["members"].values()
     # the trainer (rank 0 hosts the weight group) on the train node, the replica on the other node, and
-    # pushes v0, v1, v2 received there
+    # pushes v0, v1, v2, v3 received there
     assert st["host"] == TRAIN_NODE_IP and member["node_ip"] not in ("", TRAIN_NODE_IP), st
-    assert member["pushes"] == 3 and member["version"] == 2, member
+    assert member["pushes"] == 4 and member["version"] == 3, member
+    # the run folder (and MLflow store) under the run_dir both nodes reach (one machine: any local path)
     assert Path(res["final_checkpoint"], "config.json").exists() and res["tracking_uri"].endswith(
-        f"{shared}/mlflow.db"
+        f"{run.parent}/mlflow.db"
     ), res
     log.warning(
         "two nodes: cluster up in %.1fs; replica on %s, weight group at %s; %d pushes; %d groups trained "
         "once each; run %ss",
-        started_s,
+        res["cluster_s"],
         member["node_ip"],
         st["host"],
         member["pushes"],
