@@ -26,6 +26,10 @@ from tests.integration.conftest import REPO, hub_status, train_cmd, wait_for
 from tests.integration.test_async import _prompts
 
 NAME = "chaos"
+# 12 steps of 8 groups. Admission starts at most (max_staleness 1 + version + 1) x 8 groups: about 40 by the
+# kills at version 2 or 3, so the replacements (the only replicas left) still generate more than half of the
+# data. Every prompt after that is one more step of the suite's time
+PROMPTS = 96
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +65,7 @@ def _chaos_cmd(ray_cluster: dict, cache_dir, tmp_path) -> list[str]:
         "rollout.request_timeout_s=600",
         "train.timeout_s=600",
         "sync.timeout_s=20",
-        "train.steps=1000",  # the data (160 prompts, one epoch) ends the run first
+        "train.steps=1000",  # the data (PROMPTS, one epoch) ends the run first
         f"data.train={tmp_path / 'train.jsonl'}",
         "data.epochs=1",
         "data.val_size=8",
@@ -75,7 +79,7 @@ def _replacements(members: dict, since: float) -> dict:
 
 
 def test_dead_engine_and_dead_replica_actor_lose_nothing(ray_cluster, cache_dir, tmp_path):
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 160)
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", PROMPTS)
     log_path = tmp_path / "stderr.log"
     with open(log_path, "w") as err:
         proc = subprocess.Popen(
