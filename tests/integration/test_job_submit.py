@@ -100,6 +100,23 @@ def _wait_job(client_env: dict[str, str], address: str, job_id: str, timeout: fl
     return state
 
 
+def _wait_trained(client_env: dict[str, str], address: str, job_id: str, trained: Path) -> None:
+    """Until three steps are trained (8 groups each: the weights moved), failing after 600 s or as soon as a
+    job state check finds the job ended. The file is read every 2 s; the job's state (a `ray job status`
+    process: about 2 s of CPU that the job's own run, on the same 2 cores, goes without) every 20 s."""
+    deadline = time.monotonic() + 600
+    next_state_check = 0.0
+    while not (trained.exists() and len(trained.read_text().splitlines()) >= 24):
+        ended = False
+        if time.monotonic() >= next_state_check:
+            ended = _job_state(client_env, address, job_id) in ("SUCCEEDED", "FAILED", "STOPPED")
+            next_state_check = time.monotonic() + 20
+        assert time.monotonic() < deadline and not ended, _ray(client_env, address, "logs", job_id).stdout[
+            -3000:
+        ]
+        time.sleep(2)
+
+
 def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_cluster, cache_dir, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -149,15 +166,7 @@ def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_clus
             *entry,
         )
         assert sub.returncode == 0, sub.stderr[-3000:]
-        trained = home / "relay-runs" / "jobrun" / "trained_groups.jsonl"
-        deadline = time.monotonic() + 600
-        # three steps trained (8 groups each): the weights moved; then the stop
-        while not (trained.exists() and len(trained.read_text().splitlines()) >= 24):
-            ended = _job_state(client_env, address, job_id) in ("SUCCEEDED", "FAILED", "STOPPED")
-            assert time.monotonic() < deadline and not ended, _ray(
-                client_env, address, "logs", job_id
-            ).stdout[-3000:]
-            time.sleep(2)
+        _wait_trained(client_env, address, job_id, home / "relay-runs" / "jobrun" / "trained_groups.jsonl")
         stop = _ray(client_env, address, "stop", job_id, timeout=400)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         state = _wait_job(client_env, address, job_id)
