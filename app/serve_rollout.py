@@ -105,7 +105,7 @@ class RolloutServer:
             started=self.started,
             lora=lora,
             workers=workers,
-            staged=staged and lora is None,  # an adapter push never pauses: nothing to stage
+            staged=staged,
         )
         await self.sync.start(join_timeout_s)
 

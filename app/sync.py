@@ -486,8 +486,6 @@ class ReplicaSync:
         staged: bool = False,
     ) -> None:
         self.engine, self.replica_id, self.hub = engine, replica_id, hub
-        # sync.staged_receive: receive while generating, pause only to copy (app/weights/staging.py)
-        self.staged = staged
         self.group_timeout_s = 60.0  # the current epoch's deadline (`GroupInfo.timeout_s`), set at each join
         # LoRA (rollout.partial=finish_on_old): the LoraSpec of the pushed adapters, as a dict, and the adapters
         # this replica holds (app/vllm/adapters.py), each a PEFT folder under adapter_root
@@ -511,6 +509,14 @@ class ReplicaSync:
         self.dead: str | None = None  # why this replica can never serve again (its engine died)
         self.lock = asyncio.Lock()  # a weight load and an abort never overlap
         self.tasks: list[asyncio.Task] = []
+        # how a push loads: an adapter beside the older ones (never paused: nothing to stage), staged
+        # (sync.staged_receive: received while generating, paused only to copy it in), or paused throughout
+        if lora:
+            self._load = self._load_adapter
+        elif staged:
+            self._load = self._load_staged
+        else:
+            self._load = self._load_weights
 
     async def start(self, join_timeout_s: float) -> None:
         """Register, start both loops, and return once this replica may serve (see the module docstring)."""
@@ -683,14 +689,11 @@ class ReplicaSync:
         return self.gate.drained(self.drain_timeout_s, f"replica {self.replica_id}, push of v{version}")
 
     async def _receive(self, plan: PushPlan, announced_at: float = 0.0) -> None:
-        """Receive and load the push (`_load_weights`, or `_load_adapter` with LoRA), acknowledge with the
-        checksums and each phase's seconds (see those two)."""
+        """Receive and load the push (`self._load`: `_load_weights`, `_load_staged`, or `_load_adapter` with
+        LoRA), acknowledge with the checksums and each phase's seconds (see those)."""
         ph: dict[str, float] = {"wake_s": max(0.0, time.time() - announced_at) if announced_at else 0.0}
         try:
-            load = (
-                self._load_adapter if self.lora else self._load_staged if self.staged else self._load_weights
-            )
-            res = await load(plan, ph)
+            res = await self._load(plan, ph)
             self.admitted.set()
             ph.update(
                 transfer_s=max(r["transfer_s"] for r in res),

@@ -91,8 +91,8 @@ def step_metrics(
 def push_metrics(push: PushStats, step: int) -> dict[str, float]:
     """The push as the trainer saw it (`sync/time_s`, the whole call) and its phases: the trainer's (group,
     announce, gather, transfer, ack) and the slowest replica's (`sync/replica/<phase>`: wake-up after the
-    announcement, the staged receive, drain, pause call, the workers' receive with its transfer and load, version, resume);
-    `sync/pause_s` is how long generation was held on the slowest replica."""
+    announcement, the staged receive, drain, pause call, the workers' receive with its transfer and load,
+    version, resume); `sync/pause_s` is how long generation was held on the slowest replica."""
     extra = list(push.extra.values())
     m = {
         "sync/time_s": push.wall_s_or_sum,

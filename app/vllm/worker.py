@@ -67,13 +67,10 @@ class RelayWorkerExtension:
 
         `adapter_dir` (LoRA): the pushed tensors are a LoRA adapter (`adapter_json`: its LoraSpec); they are
         written to that folder in PEFT format (`receive_adapter`) and the model is left as it is."""
-        transport = getattr(self, "_relay_transport", None)
-        if transport is None:
-            raise RuntimeError("relay_receive before relay_join: this worker is not in the weight group")
+        transport = self._relay_joined("relay_receive")
         plan = plan_from_json(plan_json)
         if adapter_dir is not None:
             return self._relay_receive_adapter(transport, plan, adapter_dir, adapter_json)
-        self._relay_pushed = {t.name: (tuple(t.shape), t.dtype) for b in plan.buckets for t in b.tensors}
         model = self.get_model()
         load, loader = self._relay_loader(model, plan, load)
         t0 = time.perf_counter()
@@ -87,9 +84,7 @@ class RelayWorkerExtension:
         to the Unix socket `notify` when it is done; `relay_swap` then loads what it received."""
         from app.weights.staging import StagedPush
 
-        transport = getattr(self, "_relay_transport", None)
-        if transport is None:
-            raise RuntimeError("relay_stage before relay_join: this worker is not in the weight group")
+        transport = self._relay_joined("relay_stage")
         if not hasattr(self, "_relay_buffers"):
             self._relay_buffers: dict[str, torch.Tensor] = {}
         self._relay_stage = StagedPush(
@@ -105,17 +100,24 @@ class RelayWorkerExtension:
         if stage is None:
             raise RuntimeError("relay_swap without a staged push (relay_stage first)")
         self._relay_stage = None
-        plan = stage.plan
-        self._relay_pushed = {t.name: (tuple(t.shape), t.dtype) for b in plan.buckets for t in b.tensors}
         model = self.get_model()
-        load, loader = self._relay_loader(model, plan, None)
+        load, loader = self._relay_loader(model, stage.plan, None)
         t0 = time.perf_counter()
         with self._relay_reload(model, load == "layerwise"):
             res = stage.load(loader, timeout_s)
         return {**res, "load": f"staged {load}", "receive_s": time.perf_counter() - t0}
 
+    def _relay_joined(self, method: str) -> Any:
+        """This worker's end of the weight group's transport; raises where `method` came before a join."""
+        transport = getattr(self, "_relay_transport", None)
+        if transport is None:
+            raise RuntimeError(f"{method} before relay_join: this worker is not in the weight group")
+        return transport
+
     def _relay_loader(self, model: Any, plan: Any, load: str | None) -> tuple[str, Callable[[list], None]]:
-        """How this push loads (`relay_receive`'s `load`) and the loader of one bucket's tensors."""
+        """How this push loads (`relay_receive`'s `load`) and the loader of one bucket's tensors; notes the
+        pushed tensors (`relay_loaded_checksums` reads them back)."""
+        self._relay_pushed = {t.name: (tuple(t.shape), t.dtype) for b in plan.buckets for t in b.tensors}
         if load is None:
             load = "layerwise" if self._relay_needs_reload() else "slots"
         loader = self._relay_slot_loader(model, plan) if load == "slots" else None

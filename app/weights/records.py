@@ -102,12 +102,11 @@ class PushStats:
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica id -> its acknowledgement
 
     # a replica's phases, in its acknowledgement (app/sync.py): wake-up after the announcement, the staged
-    # receive (sync.staged_receive: while generating), drain,
-    # pause call, the workers' receive (the RPC's round trip; worker: inside the worker, transfer and load inside
-    # that), version, resume
+    # receive (sync.staged_receive: while generating), drain, pause call, the workers' receive (the RPC's round
+    # trip; worker: inside the worker, transfer and load inside that), version, resume
     REPLICA_PHASES: ClassVar[tuple[str, ...]] = (
-        "wake_s", "stage_s", "drain_s", "pause_s", "receive_s", "worker_s", "transfer_s", "load_s", "version_s", "resume_s",
-        "held_s",
+        "wake_s", "stage_s", "drain_s", "pause_s", "receive_s", "worker_s", "transfer_s", "load_s", "version_s",
+        "resume_s", "held_s",
     )  # fmt: skip
 
     @property

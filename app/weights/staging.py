@@ -45,12 +45,10 @@ class StagedPush:
         self.result: dict[str, Any] | None = None
         self.error: str | None = None
         self.done = threading.Event()
-        self.thread: threading.Thread | None = None
 
     def start(self, notify: str) -> None:
         """Receive in a thread; on the end (received or failed) send one JSON line to the socket `notify`."""
-        self.thread = threading.Thread(target=self._run, args=(notify,), name="relay-stage", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._run, args=(notify,), name="relay-stage", daemon=True).start()
 
     def _run(self, notify: str) -> None:
         t0 = time.perf_counter()
