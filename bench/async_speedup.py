@@ -43,14 +43,23 @@ def write_prompts(cache_dir: str, path: Path, n: int) -> int:
 
 def push_medians(tracking_uri: str, run_id: str) -> dict[str, float]:
     """Median per push, in ms, of the whole push as the trainer sees it (`sync/time_s`) and of the
-    generation pause a client sees (`sync/pause_s`: the replica held its generations, pause to resume)."""
+    generation pause a client sees (`sync/pause_s`: the replica held its generations, pause to resume); and
+    median per step of the batch's generation, the training, the trainer's wait for rollouts and the step."""
     import statistics
 
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(tracking_uri)
     out = {}
-    for key, name in (("sync/time_s", "push_ms"), ("sync/pause_s", "pause_ms")):
+    for key, name in (
+        ("sync/time_s", "push_ms"),
+        ("sync/pause_s", "pause_ms"),
+        # a step's parts: what bounds the overlap one_step_off can win ((gen + train) / max(gen, train))
+        ("timing/generate_s", "generate_ms"),
+        ("timing/train_s", "train_ms"),
+        ("timing/wait_rollout_s", "wait_rollout_ms"),
+        ("timing/step_s", "step_ms"),
+    ):
         vals = [m.value for m in c.get_metric_history(run_id, key)]
         out[name] = round(1000 * statistics.median(vals), 2) if vals else float("nan")
     return out

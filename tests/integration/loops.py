@@ -209,8 +209,9 @@ def disagg_loop(config: dict[str, Any]) -> None:
         out["pushes"].append(sync.push(v).record())
     v = 2 + int(config.get("timed_pushes", 8))
     out["keep"] = _push_mid_generation(sync, handle, v, cfg)
-    out["kill"] = _push_through_engine_kill(sync, hub, handle, v + 1)
-    if out["kill"]["push"] is not None:
+    if config.get("kill", True):
+        out["kill"] = _push_through_engine_kill(sync, hub, handle, v + 1)
+    if out.get("kill", {}).get("push") is not None:
         out["after_kill"] = sync.push(v + 2).record()
         out["exact_after_kill"] = _exact(learner, handle)
     with open(config["out"], "w") as f:
