@@ -8,6 +8,7 @@ would otherwise load weights in the middle of generation, silently mixing two po
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -220,12 +221,16 @@ async def remove_adapter(engine: Any, adapter: Adapter) -> None:
     await engine.remove_lora(adapter.lora_id)
 
 
+@functools.cache
 def _seeded_sampling_ok() -> bool:
-    """Per-request seeds crash vLLM 0.32's CPU worker once a seeded request is preempted or its sampled token
-    discarded ("CPU Generator does not use offset" kills the engine core). On CPU the engine seed alone is used."""
+    """Per-request seeds: CUDA generators undo a discarded draw by their offset; vLLM's CPU worker cannot ("CPU
+    Generator does not use offset" kills the engine core) unless app/vllm/seeded_cpu.py patched its runner,
+    which the worker extension does in the engine-core process wherever that runner exists."""
     import torch
 
-    return torch.cuda.is_available()
+    from app.vllm.seeded_cpu import patchable
+
+    return torch.cuda.is_available() or patchable()
 
 
 class _Book:

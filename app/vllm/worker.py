@@ -18,6 +18,7 @@ import torch
 
 from app.infra.log_filters import silence_vllm_reload_warnings
 from app.vllm.fast_load import copy_into, plan_slots
+from app.vllm.seeded_cpu import install as install_seeded_cpu_sampling
 from app.weights.buckets import checksum
 from app.weights.records import dtype_of, group_from_json, plan_from_json
 from app.weights.transport import make_transport
@@ -25,6 +26,9 @@ from app.weights.transport import make_transport
 log = logging.getLogger(__name__)
 # vLLM restores each RotaryEmbedding's computed buffer after a reload and warns about it on every push
 silence_vllm_reload_warnings()
+# per-request seeds on the CPU worker (app/vllm/seeded_cpu.py): this module is imported in the engine-core
+# process, where the model runner samples
+install_seeded_cpu_sampling()
 
 
 def _unpadded(held: tuple[int, ...], pushed: tuple[int, ...] | None) -> tuple[int, ...]:
