@@ -985,7 +985,9 @@ class RelayConfig(_Section):
     a Ray job (a relative one inside a job's working-directory copy is refused: app/infra/storage.py); on several
     nodes, a path on storage every node mounts."""
     seed: int = 0
-    """Global seed (model build, sampling seeds)."""
+    """Global seed (model build, sampling seeds). Every sample has a seed of its own derived from it, on GPU and
+    on CPU alike, so two runs with the same seed, config and world size train the same samples in the
+    synchronous mode; where generation overlaps training, which weights sample a token depends on timing."""
     log_level: LogLevel = "INFO"
     """Python log level of the driver and the roles (Ray workers get it as RELAY_LOG_LEVEL; roles apply it
     with app/infra/log_filters.py `configure_logging()`). vLLM's own level is VLLM_LOGGING_LEVEL (WARNING)."""
