@@ -63,13 +63,21 @@ def _undoable(runner: Any) -> None:
                 batch[idx] = swapped[id(gen)]
 
 
-def patchable() -> bool:
-    """Whether this vLLM has the CPU model runner `install` patches (checked where the engine is driven)."""
+def _cpu_runner() -> Any:
+    """vLLM's CPU model runner class, or None where this vLLM has none with the methods `install` patches."""
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except Exception:
-        return False
-    return all(hasattr(CPUModelRunner, m) for m in ("_update_states", "_sample", "_bookkeeping_sync"))
+    except Exception as e:  # not a CPU build: CUDA generators have offsets
+        log.debug("no CPU model runner to patch: %r", e)
+        return None
+    if not all(hasattr(CPUModelRunner, m) for m in ("_update_states", "_sample", "_bookkeeping_sync")):
+        return None
+    return CPUModelRunner
+
+
+def patchable() -> bool:
+    """Whether `install` can patch this vLLM (checked where the engine is driven, to pass seeds on CPU)."""
+    return _cpu_runner() is not None
 
 
 def install() -> bool:
@@ -77,12 +85,10 @@ def install() -> bool:
     global _INSTALLED
     if _INSTALLED:
         return True
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except Exception as e:  # not a CPU build: CUDA generators have offsets
-        log.debug("no CPU model runner to patch: %r", e)
+    cls = _cpu_runner()
+    if cls is None:
         return False
-    update, sample = CPUModelRunner._update_states, CPUModelRunner._sample
+    update, sample = cls._update_states, cls._sample
 
     @functools.wraps(update)
     def _update_states(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -97,6 +103,6 @@ def install() -> bool:
                 gen.mark()
         return sample(self, *args, **kwargs)
 
-    CPUModelRunner._update_states, CPUModelRunner._sample = _update_states, _sample
+    cls._update_states, cls._sample = _update_states, _sample
     _INSTALLED = True
     return True
