@@ -225,25 +225,27 @@ class Push:
     announced_at: float = 0.0  # the hub's wall clock at the announcement (the replica's wake-up latency)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Leave:
+@dataclass(frozen=True)
+class Signal:
+    """A data-free instruction: its class is the whole message, and `kind` is the class's name in lower case."""
+
+    kind: ClassVar[str] = "signal"
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.kind = cls.__name__.lower()
+
+
+class Leave(Signal):
     """The replica left (downscaling) and got every push announced to it: its sync loop ends."""
 
-    kind: ClassVar[str] = "leave"
 
-
-@dataclass(frozen=True, kw_only=True)
-class Unknown:
+class Unknown(Signal):
     """The hub does not know this replica (dropped after a failure, or the hub restarted): register again."""
 
-    kind: ClassVar[str] = "unknown"
 
-
-@dataclass(frozen=True, kw_only=True)
-class Idle:
+class Idle(Signal):
     """Nothing to do within the long-poll's wait: ask again."""
-
-    kind: ClassVar[str] = "idle"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,7 +256,7 @@ class Abort:
     seq: int
 
 
-Instruction = Join | Push | Leave | Unknown | Idle
+Instruction = Join | Push | Leave | Unknown | Idle  # Leave, Unknown and Idle are data-free `Signal`s
 ControlInstruction = Abort | Idle
 
 
