@@ -13,7 +13,7 @@ train: $(STAMP)
 	$(PY) -m app train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --tb=short --durations=15 $(ARGS)
+	PY=$(PY) bash scripts/test.sh $(ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -m "not integration" $(ARGS)

@@ -77,6 +77,50 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+NODE_GRACE_S = 5.0
+"""How long a `ray start --block` node gets to stop on SIGTERM before it is killed: its own graceful stop took
+35 s on 2 cores (waiting on its workers), with nothing in a test cluster left to save at its end."""
+
+
+def _running(pid: int) -> bool:
+    """The process lives (a zombie, dead but not yet reaped by its parent, does not count)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_nodes(nodes: list[subprocess.Popen], grace_s: float = NODE_GRACE_S) -> None:
+    """Stop `ray start --block` nodes (each started in a process group of its own) and every process under
+    them, by pid: SIGTERM to the groups, then after `grace_s` SIGKILL to the groups and to every descendant
+    still alive (Ray's workers and vLLM's engine processes sit in sessions of their own and may outlive their
+    raylet)."""
+    import psutil
+
+    pids: set[int] = set()
+    for node in nodes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            pids.update(p.pid for p in psutil.Process(node.pid).children(recursive=True))
+    for node in reversed(nodes):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGTERM)  # `ray start --block` stops its node on SIGTERM
+    deadline = time.monotonic() + grace_s
+    for node in nodes:
+        try:
+            node.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=30)
+    for pid in pids:
+        if _running(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    forget_stale_cluster_address()  # stopped by a signal, the head left its record (`ray stop` would not)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("relay-cache")
@@ -155,15 +199,7 @@ def ray_cluster():
             with contextlib.suppress(Exception):
                 serve.shutdown()
         ray.shutdown()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
-        forget_stale_cluster_address()  # stopped by a signal, the head left its record (`ray stop` would not)
+        stop_nodes([head])
         for pid in leftovers:  # vLLM engine processes of the replicas, if any outlived them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

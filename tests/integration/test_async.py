@@ -81,11 +81,12 @@ def async_run(
         "rollout.ignore_eos=true",
         "rollout.max_model_len=160",
         "rollout.max_inflight=6",
-        # keep: few sequences decode at once, so the last groups generate for longer than a train step and a
-        # push is more likely to land while they are in flight (CI once saw every group finish between pushes).
+        # keep and resubmit: few sequences decode at once, so the last groups generate for longer than a train
+        # step and a push lands while they are in flight (CI once saw every group of the keep run, and this
+        # machine every group of the resubmit run, finish between pushes when all decoded at once).
         # off: a group's samples queued in vLLM behind max_num_seqs must finish before the push too (the
         # replica drains), or the group would hold samples of two versions
-        *(["rollout.max_num_seqs=2"] if partial in ("keep", "off") else []),
+        "rollout.max_num_seqs=2",
         # keep: the frozen generations keep their KV cache (PipelineRL's in-flight update); the default,
         # recomputing it, runs in test_multiturn's fully_async keep episodes
         *(["rollout.recompute_kv=false"] if partial == "keep" else []),

@@ -10,18 +10,14 @@ and the job's default `run_dir` (`~/relay-runs`) land there and nowhere else.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from app.infra.ray_compat import forget_stale_cluster_address
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, stop_nodes
 from tests.integration.test_loop import check_tracked_run
 
 
@@ -52,18 +48,6 @@ def _start_head(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.DEVNULL,
     )
     return head, f"http://127.0.0.1:{dash}"
-
-
-def _stop_head(head: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its cluster on SIGTERM
-    try:
-        head.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)
-        head.wait(timeout=30)
-    forget_stale_cluster_address()  # the stopped head's record, which Ray's state queries would follow
 
 
 def _ray(
@@ -173,7 +157,7 @@ def test_ray_job_submit_with_token_auth_stops_cleanly_and_keeps_results(ray_clus
         logs = _ray(client_env, address, "logs", job_id).stdout
         assert state == "STOPPED", f"job ended {state}: {logs[-3000:]}"
     finally:
-        _stop_head(head)
+        stop_nodes([head])
     # the driver's RESULT line; progress bars forwarded from the workers may share its physical line
     lines = re.findall(r"RESULT (\{.*\})", logs)
     assert len(lines) == 1, logs[-2000:]

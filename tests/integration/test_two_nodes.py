@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,8 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.infra.ray_compat import forget_stale_cluster_address
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, stop_nodes
 
 log = logging.getLogger(__name__)
 TRAIN_NODE_IP = "127.0.0.2"  # a loopback address of its own: the push must go to the trainer node's address
@@ -45,45 +42,6 @@ def _ray_start(env: dict[str, str], *args: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-
-
-def _stop(nodes: list[subprocess.Popen]) -> None:
-    """Stop the nodes (all at once: each takes seconds) and every process under them: Ray's workers and
-    vLLM's engine processes are their descendants, each in a session of its own, and may outlive their
-    raylet."""
-    import psutil
-
-    pids: set[int] = set()
-    for node in nodes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            pids.update(p.pid for p in psutil.Process(node.pid).children(recursive=True))
-    for node in reversed(nodes):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(node.pid, signal.SIGTERM)  # `ray start --block` stops its node on SIGTERM
-    for node in nodes:
-        try:
-            node.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.pid, signal.SIGKILL)
-            node.wait(timeout=30)
-    deadline = time.monotonic() + 60  # workers notice their raylet is gone and exit on their own
-    while (alive := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
-        time.sleep(1)
-    for pid in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    forget_stale_cluster_address()  # the stopped head's record, which Ray's state queries would follow
-
-
-def _running(pid: int) -> bool:
-    """The process lives (a zombie, dead but not yet reaped by its parent, does not count)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _start_cluster(env: dict[str, str]) -> tuple[list[subprocess.Popen], str]:
@@ -118,7 +76,7 @@ def _start_cluster(env: dict[str, str]) -> tuple[list[subprocess.Popen], str]:
         )
         _wait_nodes(env, address, 2, nodes)
     except BaseException:
-        _stop(nodes)
+        stop_nodes(nodes)
         raise
     return nodes, address
 
@@ -154,7 +112,7 @@ def two_node_cluster(ray_cluster: dict) -> Iterator[tuple[str, dict[str, str], f
     try:
         yield address, env, time.monotonic() - t0
     finally:
-        _stop(nodes)
+        stop_nodes(nodes)
 
 
 def test_fully_async_across_two_nodes_trains_each_prompt_once(async_off_two_nodes_run):
