@@ -36,6 +36,8 @@ T = TypeVar("T")
 
 @dataclass(kw_only=True)
 class EpisodeLimits:
+    """Bounds of one multi-turn episode (`env.*`) and the score of one that fails (`reward.on_error`)."""
+
     max_turns: int = 4
     max_total_tokens: int = 64
     step_timeout_s: float = 10.0

@@ -55,6 +55,8 @@ class Frozen(Exception):
 
 @dataclass(kw_only=True)
 class GenSettings:
+    """How a group generates: `rollout.*` sampling keys, the run's seed and DAPO's overlong shaping."""
+
     n: int = 8
     max_tokens: int = 8
     temperature: float = 1.0

@@ -86,6 +86,8 @@ class GroupInfo:
 
 @dataclass(kw_only=True)
 class PushStats:
+    """What one push cost, phase by phase, as the trainer saw it (rank 0 logs it as `sync/*`)."""
+
     version: int = 0
     nbytes: int = 0
     buckets: int = 0
