@@ -465,13 +465,14 @@ class TrainConfig(_Section):
     backward); false keeps them, trading memory for one all-gather per layer and step."""
     reduce_dtype: Dtype = "float32"
     """FSDP2 gradient reduction dtype with model.dtype=bfloat16 (`bfloat16` halves the reduce-scatter)."""
-    gather_once: Literal["auto", "on", "off"] = "auto"
+    gather_once: Literal["auto", "on", "params", "off"] = "auto"
     """FSDP2 gradient accumulation: gather each layer's parameters once per step and keep them through every
     micro-batch, accumulating unsharded gradients (in `reduce_dtype`) and reduce-scattering once at the end of
     the step, instead of a gather and a reduce-scatter per micro-batch. Costs a full copy of the parameters
-    (compute dtype) and of the gradients (`reduce_dtype`) per rank while the step runs. `auto`: on with one
-    trainer rank (nothing is sharded there; +2.5 GiB at 1.5B), off with several (it would give up FSDP's
-    memory savings)."""
+    (compute dtype) and of the gradients (`reduce_dtype`) per rank while the step runs. `params`: keep the
+    gathered parameters only (one all-gather per layer and step; gradients still reduce-scattered after each
+    micro-batch, so they stay sharded). `auto`: on with one trainer rank (nothing is sharded there; +2.5 GiB
+    at 1.5B), off with several (it would give up FSDP's memory savings)."""
     optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
     """AdamW implementation: `fused` (one kernel per parameter group, step counters on the device: no host
     reads in the step), `foreach` (torch's default), `auto` (fused on GPU, foreach on CPU)."""

@@ -17,7 +17,7 @@ Variants (`--variants`, comma separated; levers appended with `+`):
   one on; `default` takes every default.
   levers: +noreshard (`train.reshard_after_forward=false`), +bf16reduce (`train.reduce_dtype=bfloat16`),
           +noentropy (`train.log_entropy=false`), +ac / +noac (activation checkpointing, overriding --ac),
-          +fused / +foreach (`train.optimizer_impl`), +gather / +nogather (`train.gather_once`),
+          +fused / +foreach (`train.optimizer_impl`), +gather / +gatherparams / +nogather (`train.gather_once`),
           +compile / +nocompile (`train.compile`), +mtN (`train.micro_batch_tokens=N`),
           +chunkN (`train.logprob_chunk_tokens=N`)
 Both layouts get the same token budget per pass: `--micro-tokens` (or +mtN; 0: the config's default) for
@@ -87,6 +87,7 @@ LEVERS = {
     "fused": ["train.optimizer_impl=fused"],
     "foreach": ["train.optimizer_impl=foreach"],
     "gather": ["train.gather_once=on"],
+    "gatherparams": ["train.gather_once=params"],
     "nogather": ["train.gather_once=off"],
     "compile": ["train.compile=on"],
     "nocompile": ["train.compile=off"],

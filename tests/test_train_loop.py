@@ -183,6 +183,22 @@ def test_fsdp2_two_ranks_gloo(tmp_path, extra):
     assert full0 == full1  # every rank gathers the same full tensors
 
 
+def test_fsdp2_two_ranks_keeping_gathered_params_trains_as_gathering_per_micro_batch(tmp_path):
+    """`train.gather_once=params` (the gathered layers kept through the step's micro-batches, gradients still
+    reduce-scattered after each) takes the same steps as a gather and a reduce-scatter per micro-batch."""
+    path, tok, prompt = _setup(tmp_path)
+    toks = (tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1"), tok.eos_token_id)
+    runs = {
+        m: _two_ranks(_fsdp_worker, path, prompt, toks, [f"train.gather_once={m}"]) for m in ("off", "params")
+    }
+    (_, b_off, a_off, m_off, full_off), _ = runs["off"]
+    (_, b_par, a_par, m_par, full_par), (_, _, a_par1, _, full_par1) = runs["params"]
+    assert b_par == pytest.approx(b_off) and a_par == pytest.approx(a_off, abs=1e-5) and a_par1 == a_par
+    assert a_off > b_off + 0.1  # the steps moved the model
+    assert m_par["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-5)
+    assert full_par == full_par1 and full_par == pytest.approx(full_off, rel=1e-5, abs=1e-5)
+
+
 def test_nonfinite_step_is_skipped(tmp_path):
     path, tok, prompt = _setup(tmp_path)
     eight, one = tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1")

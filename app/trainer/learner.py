@@ -335,10 +335,12 @@ class Learner:
             reduce_dtype=t.reduce_dtype,
             compile_layers=t.compile == "on" or (t.compile == "auto" and on_gpu),
         )
-        # gather_once keeps the gathered layers through the step (resharded after its last backward)
+        # gather_once keeps the gathered layers through the step (resharded after its last backward), and
+        # with "on" also the unsharded gradients (reduce-scattered once, after the last backward)
         self.gather_once = dist.is_initialized() and (
-            t.gather_once == "on" or (t.gather_once == "auto" and self.world == 1)
+            t.gather_once in ("on", "params") or (t.gather_once == "auto" and self.world == 1)
         )
+        self.sync_every_micro = t.gather_once == "params"
         self.lora = lora.LoraSpec.from_config(cfg.model)  # None: full fine-tuning
         self.model = build_fsdp_model(
             model_path,
