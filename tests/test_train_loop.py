@@ -196,7 +196,12 @@ def test_fsdp2_two_ranks_keeping_gathered_params_trains_as_gathering_per_micro_b
     assert b_par == pytest.approx(b_off) and a_par == pytest.approx(a_off, abs=1e-5) and a_par1 == a_par
     assert a_off > b_off + 0.1  # the steps moved the model
     assert m_par["loss/policy"] == pytest.approx(m_off["loss/policy"], abs=1e-5)
-    assert full_par == full_par1 and full_par == pytest.approx(full_off, rel=1e-5, abs=1e-5)
+    # the key projection's bias has no gradient but rounding noise (softmax ignores a shift of every key), which
+    # AdamW turns into steps of its own: the two reduction orders move it differently, so it is left out
+    moved = {n: v for n, v in full_off.items() if not n.endswith("k_proj.bias")}
+    assert full_par == full_par1 and {n: full_par[n] for n in moved} == pytest.approx(
+        moved, rel=1e-5, abs=1e-5
+    )
 
 
 def test_nonfinite_step_is_skipped(tmp_path):
