@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -135,6 +136,7 @@ class TrainerSync:
         world = int(getattr(learner, "world", 1) or 1)
         self.senders = world if getattr(self.walker, "every_rank_sends", False) else 1
         self.last: PushStats | None = None
+        self._last_plan: tuple[Any, PushPlan] | None = None  # (pushed tensors and bucket size, their plan)
 
     def _wait_for_a_replica(self, deadline: float) -> None:
         """Every replica gone (died, being restarted by Serve): wait for one to register, until `deadline`."""
@@ -352,6 +354,14 @@ class TrainerSync:
             ray.get(self.hub.drop.remote(acks.missing + acks.failed))
         return stats, err
 
+    def _plan(self, version: int, bucket_bytes: int) -> PushPlan:
+        """This push's plan: the last push's buckets with the new version while the pushed tensors and the
+        bucket size stay the same (one layout, so every process on the way parses it once)."""
+        key = (tuple((n, tuple(shape), str(dt)) for n, shape, dt in self.learner.push_specs()), bucket_bytes)
+        if self._last_plan is None or self._last_plan[0] != key:
+            self._last_plan = (key, plan_buckets(key[0], bucket_bytes, version))
+        return dataclasses.replace(self._last_plan[1], version=version)
+
     def push(self, version: int) -> PushStats:
         """Push `version` to every replica; collective over the trainer ranks. After a failure (a replica
         died mid-push) the group re-forms without it and the push is tried again until the push's deadline
@@ -359,7 +369,7 @@ class TrainerSync:
 
         s = self.cfg.sync
         mb = float(getattr(s, getattr(self.walker, "bucket_setting", "bucket_mb"), s.bucket_mb))
-        plan = plan_buckets(self.learner.push_specs(), int(mb * 2**20), version)
+        plan = self._plan(version, int(mb * 2**20))
         t_start = time.perf_counter()
         deadline = time.monotonic() + self._budget_s()
         tries = 0

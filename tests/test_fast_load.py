@@ -114,3 +114,56 @@ def test_loaded_checksums_read_past_a_padded_vocabulary():
     assert plan_slots(pushed, held, {}) is None  # the fast load cannot place them (it falls back)
     slots = plan_slots(pushed, {n: _unpadded(s, pushed.get(n)) for n, s in held.items()}, {})
     assert slots == {n: Slot(n, 0, 22) for n in pushed}
+
+
+def _bucketed(pushed: dict[str, torch.Tensor], bucket_bytes: int):
+    """The pushed tensors in buckets as the trainer plans them, each packed into its flat buffer."""
+    from app.weights.buckets import pack_into, plan_buckets
+
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in pushed.items()], bucket_bytes, 1)
+    flats = []
+    for b in plan.buckets:
+        flat = torch.empty(b.numel, dtype=pushed[b.tensors[0].name].dtype)
+        flats.append(pack_into(b, [pushed[t.name] for t in b.tensors], flat))
+    return plan, flats
+
+
+def test_slot_loader_loads_a_flat_bucket_as_the_per_tensor_copy_does():
+    from app.vllm.fast_load import SlotLoader
+    from app.weights.buckets import load_bucket, unpack
+
+    pushed = _pushed()
+    plan, flats = _bucketed(pushed, 200)  # several buckets, packed parameters split across them
+    assert len(plan.buckets) > 2
+    by_items, by_flat = _engine(), _engine()
+    slots = plan_slots(_shapes(pushed), _shapes(by_items), PACKED, skip=("lm_head.",))
+    loader = SlotLoader(by_flat, slots)
+    for _ in range(2):  # the second load of each bucket takes the worked-out copy
+        for b, flat in zip(plan.buckets, flats, strict=True):
+            copy_into(by_items, slots, unpack(b, flat))
+            assert loader.flat(b, flat)
+            load_bucket(loader, b, flat)
+    for name in by_items:
+        assert torch.equal(by_flat[name], by_items[name]), name
+    # a received buffer longer than its bucket (a reused staging buffer): the tail is not read
+    longer = [torch.cat([f, torch.full((5,), float("nan"))]) for f in flats]
+    fresh = _engine()
+    for b, flat in zip(plan.buckets, longer, strict=True):
+        assert SlotLoader(fresh, slots).flat(b, flat)
+    assert all(torch.equal(fresh[n], by_items[n]) for n in fresh)
+
+
+def test_slot_loader_leaves_a_cast_to_the_per_tensor_copy():
+    from app.vllm.fast_load import SlotLoader
+    from app.weights.buckets import load_bucket
+
+    pushed = _pushed()
+    plan, flats = _bucketed(pushed, 1 << 20)
+    engine = {n: t.to(torch.bfloat16) for n, t in _engine().items()}
+    slots = plan_slots(_shapes(pushed), _shapes(engine), PACKED, skip=("lm_head.",))
+    loader = SlotLoader(engine, slots)
+    assert not loader.flat(plan.buckets[0], flats[0])  # float32 pushed into bfloat16: cast per tensor
+    load_bucket(loader, plan.buckets[0], flats[0])
+    assert torch.equal(
+        engine["model.embed_tokens.weight"], pushed["model.embed_tokens.weight"].to(torch.bfloat16)
+    )

@@ -54,6 +54,33 @@ def test_plan_buckets_respects_size_and_dtype():
     assert plan.nbytes == (10 + 10 + 100 + 3) * 4 + 4 * 2
 
 
+def test_a_plan_crosses_processes_as_its_version_and_one_layout_text():
+    import dataclasses
+    import json
+    import pickle
+
+    from app.weights.records import layout_from_text, layout_text, plan_from_json, plan_to_json
+
+    state = _state()
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    plan = plan_buckets(specs, 2**14, 4)
+    wire = pickle.dumps(plan)
+    assert len(wire) < len(layout_text(plan.buckets)) + 200  # no dataclass per tensor on the wire
+    back = pickle.loads(wire)
+    assert back == plan
+    # the next push: the same layout, another version; the receiving end reuses what it parsed
+    nxt = pickle.loads(pickle.dumps(dataclasses.replace(plan, version=5)))
+    assert nxt.version == 5 and nxt.buckets is back.buckets
+    assert layout_from_text(layout_text(plan.buckets)) is back.buckets
+    # the JSON form the vLLM workers get: standard JSON, the same plan, also when written by hand
+    text = plan_to_json(plan)
+    assert json.loads(text)["version"] == 4 and plan_from_json(text) == plan
+    by_hand = json.dumps({"buckets": json.loads(text)["buckets"], "version": 7}, indent=2)
+    assert plan_from_json(by_hand) == dataclasses.replace(plan, version=7)
+    # another layout (a bucket size) is another text
+    assert layout_text(plan_buckets(specs, 2**16, 4).buckets) != layout_text(plan.buckets)
+
+
 def test_checksum_is_bit_exact_and_position_sensitive():
     x = torch.randn(1000)
     assert checksum(x) == checksum(x.clone())

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from app.infra.log_filters import silence_vllm_reload_warnings
-from app.vllm.fast_load import copy_into, plan_slots
+from app.vllm.fast_load import SlotLoader, plan_slots
 from app.vllm.seeded_cpu import install as install_seeded_cpu_sampling
 from app.weights.buckets import checksum
 from app.weights.records import dtype_of, group_from_json, plan_from_json
@@ -170,7 +170,15 @@ class RelayWorkerExtension:
         slots = self._relay_slots
         if slots is None:
             return None
-        return lambda items: copy_into(params, slots, items)
+        held = getattr(self, "_relay_slot_loader_obj", None)  # kept while the parameters are the same objects
+        if (
+            held is None
+            or held.slots is not slots
+            or held.params.keys() != params.keys()
+            or any(a is not b for a, b in zip(held.params.values(), params.values(), strict=True))
+        ):
+            held = self._relay_slot_loader_obj = SlotLoader(params, slots)
+        return held
 
     def _relay_plan_slots(self, model: Any, params: dict[str, Any], shapes: dict[str, tuple]) -> Any:
         """`plan_slots` for this engine: pushed `shapes` onto its parameters (a padded vocabulary's pushed rows,

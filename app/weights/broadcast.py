@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack, walk_buckets
+from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, load_bucket, pack_into, walk_buckets
 from app.weights.group import StatelessGroup
 from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
 from app.weights.transport import Gather, Load, register_transport
@@ -104,7 +104,7 @@ def receive_buckets(
     def finish(bucket: Bucket, flat: torch.Tensor) -> None:
         t1 = time.perf_counter()
         sums.append(_checksum_sums(flat))  # formatted after the walk: no device sync per bucket
-        load(unpack(bucket, flat))
+        load_bucket(load, bucket, flat)
         timing["load_s"] += time.perf_counter() - t1
 
     for bucket in plan.buckets:

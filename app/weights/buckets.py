@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from app.weights.records import Bucket, PushPlan, PushStats, SyncError, TensorSpec, dtype_of
-from app.weights.transport import Gather
+from app.weights.transport import Gather, Load
 
 _dtype = dtype_of
 
@@ -110,6 +110,14 @@ def _ck_strings(sums: list[torch.Tensor]) -> list[str]:
 def unpack(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Views of each tensor of `bucket` inside its received flat buffer."""
     return [(t.name, flat[t.offset : t.offset + t.numel].view(t.shape)) for t in bucket.tensors]
+
+
+def load_bucket(load: Load, bucket: Bucket, flat: torch.Tensor) -> None:
+    """Hand one received bucket to `load`: its flat buffer where the loader takes one (`load.flat`, see
+    app/vllm/fast_load.py `SlotLoader`), else views of its tensors (`unpack`)."""
+    fast = getattr(load, "flat", None)
+    if fast is None or not fast(bucket, flat):
+        load(unpack(bucket, flat))
 
 
 def pack_into(bucket: Bucket, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

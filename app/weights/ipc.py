@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from app.weights.broadcast import BroadcastTransport
-from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, pack_into, unpack, walk_buckets
+from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, load_bucket, pack_into, walk_buckets
 from app.weights.group import StatelessGroup
 from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
 from app.weights.transport import Gather, Load, register_transport
@@ -196,7 +196,7 @@ class IpcTransport(BroadcastTransport):
                 try:  # straight from the trainer's staging buffer: no copy of our own
                     flat = self._mapped(meta, opened, dev)
                     sums.append(_checksum_sums(flat))
-                    load(unpack(bucket, flat))
+                    load_bucket(load, bucket, flat)
                     if flat.is_cuda:  # read before the trainer may overwrite the stage
                         torch.cuda.current_stream(dev).synchronize()
                 except Exception as e:  # still signal: every end must learn of it at the same bucket

@@ -8,6 +8,7 @@ travel in these records, only through a transport (see app/weights/transport.py)
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -65,6 +66,10 @@ class PushPlan:
     @property
     def names(self) -> list[str]:
         return [t.name for b in self.buckets for t in b.tensors]
+
+    def __reduce__(self) -> tuple[Any, tuple[int, str]]:
+        # pickled (Ray) as the version and the layout's text: see `layout_text`
+        return _plan_from_layout, (self.version, layout_text(self.buckets))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,25 +169,48 @@ class PushStats:
         )
 
 
-def plan_to_json(plan: PushPlan) -> str:
-    return json.dumps(
-        {
-            "version": plan.version,
-            "buckets": [
-                {
-                    "index": b.index,
-                    "dtype": b.dtype,
-                    "numel": b.numel,
-                    "tensors": [[t.name, list(t.shape), t.dtype, t.offset] for t in b.tensors],
-                }
-                for b in plan.buckets
-            ],
-        }
+# A plan's bucket layout (every tensor's name, shape, dtype and offset) is the same push after push; only the
+# version changes. It crosses each process boundary (trainer -> hub -> replica -> vLLM worker) as one JSON text,
+# and each process parses a given text once: a 1.5B plan (338 tensors) costs about 2 ms to unpickle as
+# dataclasses and 0.4 ms to parse, against some microseconds for a dictionary hit. Both caches are bounded.
+_LAYOUT_TEXTS: dict[int, tuple[tuple[Bucket, ...], str]] = {}  # id(buckets) -> (buckets, text), buckets held
+_LAYOUTS: dict[str, tuple[Bucket, ...]] = {}  # text -> buckets
+_LAYOUT_CACHE = 8
+_PLAN_JSON = re.compile(r'\{"version": (-?\d+), "buckets": (.*)\}', re.DOTALL)
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= _LAYOUT_CACHE:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
+def layout_text(buckets: tuple[Bucket, ...]) -> str:
+    """The JSON text of a plan's buckets, made once per buckets tuple."""
+    hit = _LAYOUT_TEXTS.get(id(buckets))
+    if hit is not None and hit[0] is buckets:
+        return hit[1]
+    text = json.dumps(
+        [
+            {
+                "index": b.index,
+                "dtype": b.dtype,
+                "numel": b.numel,
+                "tensors": [[t.name, list(t.shape), t.dtype, t.offset] for t in b.tensors],
+            }
+            for b in buckets
+        ]
     )
+    _remember(_LAYOUT_TEXTS, id(buckets), (buckets, text))
+    _remember(_LAYOUTS, text, buckets)
+    return text
 
 
-def plan_from_json(s: str) -> PushPlan:
-    d = json.loads(s)
+def layout_from_text(text: str) -> tuple[Bucket, ...]:
+    """The buckets of a layout text (`layout_text`), parsed once per distinct text."""
+    hit = _LAYOUTS.get(text)
+    if hit is not None:
+        return hit
     buckets = tuple(
         Bucket(
             index=b["index"],
@@ -193,9 +221,27 @@ def plan_from_json(s: str) -> PushPlan:
                 for n, shape, dt, off in b["tensors"]
             ),
         )
-        for b in d["buckets"]
+        for b in json.loads(text)
     )
-    return PushPlan(version=d["version"], buckets=buckets)
+    _remember(_LAYOUTS, text, buckets)
+    _remember(_LAYOUT_TEXTS, id(buckets), (buckets, text))
+    return buckets
+
+
+def _plan_from_layout(version: int, text: str) -> PushPlan:
+    return PushPlan(version=version, buckets=layout_from_text(text))
+
+
+def plan_to_json(plan: PushPlan) -> str:
+    return f'{{"version": {int(plan.version)}, "buckets": {layout_text(plan.buckets)}}}'
+
+
+def plan_from_json(s: str) -> PushPlan:
+    m = _PLAN_JSON.fullmatch(s)
+    if m is not None:
+        return _plan_from_layout(int(m.group(1)), m.group(2))
+    d = json.loads(s)  # written by hand (a test, an operator): parsed in full
+    return _plan_from_layout(d["version"], json.dumps(d["buckets"]))
 
 
 def group_to_json(g: GroupInfo) -> str:
