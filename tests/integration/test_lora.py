@@ -1,14 +1,16 @@
-"""LoRA RL end to end (`--config lora`, real vLLM CPU replicas, two trainer ranks), one lineage of two CLI runs:
+"""LoRA RL end to end (`--config lora`, real vLLM CPU replicas, two trainer ranks), one lineage of three CLI
+runs, each resuming the one before through the CLI (`--resume`), so every mode runs with LoRA:
 
 - run S, `sync` for two steps: on-policy, so the trainer's log-probs of each batch equal the engine's behaviour
   log-probs (base + the pushed adapter) up to numerics, which `actor/logprob_mismatch` measures at every step;
-- run R, `--resume` of S through the CLI in `fully_async`: the optimizer and the adapter it belongs to are
-  restored; only the adapter is pushed, each replica loads it beside the old one without pausing
-  (rollout.partial=finish_on_old) and acknowledges the adapter tensors' checksums (sync.verify: a mismatch
-  fails the push, and the run); every sample's tokens carry one version; the final checkpoint is a PEFT
-  adapter plus the merged model.
+- run O, S resumed in `one_step_off` for one step: the optimizer and the adapter it belongs to are restored
+  (its checkpoint's optimizer has taken 3 steps; a fresh one would say 1), adapter-only pushes;
+- run R, O resumed in `fully_async` for three steps: only the adapter is pushed, each replica loads it beside
+  the old one without pausing (rollout.partial=finish_on_old) and acknowledges the adapter tensors' checksums
+  (sync.verify: a mismatch fails the push, and the run); every sample's tokens carry one version; the final
+  checkpoint is a PEFT adapter plus the merged model.
 
-(One lineage instead of a separate fully_async run: one CLI start fewer for `make test`.)
+(One lineage instead of separate runs per mode: each run's start-up is most of its time in `make test`.)
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def _run(ray_cluster, cache_dir, tmp_path, name: str, *extra: str, resume: str =
     return res
 
 
-def test_lora_sync_then_resumed_fully_async_pushes_adapters_without_a_pause(ray_cluster, cache_dir, tmp_path):
+def test_lora_sync_then_one_step_off_then_fully_async_pushes_adapters_without_a_pause(
+    ray_cluster, cache_dir, tmp_path
+):
     from safetensors.torch import load_file
 
     from app.config import load_config
@@ -59,6 +63,22 @@ def test_lora_sync_then_resumed_fully_async_pushes_adapters_without_a_pause(ray_
     assert max(float(t.abs().max()) for k, t in trained_s.items() if "lora_B" in k) > 1e-4  # B left zero
     assert _optimizer_steps(res_s["checkpoint"]) == {2}
 
+    res_o = _run(
+        ray_cluster,
+        cache_dir,
+        tmp_path,
+        "lora-off",
+        *SMALL,
+        "algorithm.mode=one_step_off",
+        "train.steps=3",
+        resume=str(tmp_path / "lora-sync"),
+    )
+    assert res_o["restored_from"] and res_o["restored_from"]["step"] == 2, res_o
+    assert res_o["steps"] == 3 and res_o["history"]("ckpt/restored_step") == [2.0], res_o
+    assert set(res_o["history"]("sync/bytes")) == set(res_s["history"]("sync/bytes"))  # adapter only, acked
+    assert max(res_o["history"]("sync/pause_s")) == 0.0
+    assert _optimizer_steps(res_o["checkpoint"]) == {3}  # restored (a fresh optimizer would say 1)
+
     name = "lora-async"
     res = _run(
         ray_cluster,
@@ -68,19 +88,19 @@ def test_lora_sync_then_resumed_fully_async_pushes_adapters_without_a_pause(ray_
         *SMALL,
         "algorithm.mode=fully_async",
         "algorithm.max_staleness=1",
-        "train.steps=5",
+        "train.steps=6",
         # long generations (EOS ignored), few decoded at once: pushes land while samples are generating
         "rollout.max_tokens=48",
         "rollout.ignore_eos=true",
         "rollout.max_num_seqs=4",
         "rollout.max_inflight=6",
         "model.lora_merge=true",
-        resume=str(tmp_path / "lora-sync"),
+        resume=str(tmp_path / "lora-off"),
     )
     history = res["history"]
-    assert res["restored_from"] and res["restored_from"]["step"] == 2, res
-    assert res["steps"] == 5 and res["weight_version"] == 5 and history("ckpt/restored_step") == [2.0], res
-    assert _optimizer_steps(res["checkpoint"]) == {5}  # S's 2 restored (a fresh optimizer would say 3)
+    assert res["restored_from"] and res["restored_from"]["step"] == 3, res
+    assert res["steps"] == 6 and res["weight_version"] == 6 and history("ckpt/restored_step") == [3.0], res
+    assert _optimizer_steps(res["checkpoint"]) == {6}  # O's 3 restored (a fresh optimizer would say 3)
 
     # the export: a PEFT adapter (what was pushed) and the merged model
     final = tmp_path / name / "final"
@@ -101,7 +121,7 @@ def test_lora_sync_then_resumed_fully_async_pushes_adapters_without_a_pause(ray_
     trained = [json.loads(x) for x in (tmp_path / name / "trained_groups.jsonl").read_text().splitlines()]
     assert len(trained) == 12 and all(span == 0 for t in trained for span in t["sample_spans"]), trained
     assert history("staleness/max")
-    print(f"\nlora: sync logprob mismatch {mismatch}; resumed in fully_async, optimizer at 5 steps")
+    print(f"\nlora: sync logprob mismatch {mismatch}; one_step_off, then fully_async, optimizer at 6 steps")
 
 
 def _optimizer_steps(checkpoint: str) -> set[int]:

@@ -1,0 +1,147 @@
+"""The push's control plane alone, no bytes: the trainer announces a plan to the real `WeightHub` actor, a
+replica's weight loop wakes with it, hands the plan on as the vLLM workers get it (JSON), and acknowledges;
+the trainer waits for the acknowledgement. Ray actors on this machine's CPUs, no GPU, no vLLM.
+
+    python bench/hub_roundtrip.py [--shapes tiny,1.5B,7B] [--pushes 40]
+
+The replica here is a stand-in (the true boundary is vLLM, which `bench/push_in_loop.py` measures); the hub, the
+records and their serialisation are the run's. The plan is a Qwen2.5 shape's (`bench/qwen_shapes.py`) in the
+default 256 MiB buckets: its size on the wire is what this measures. Prints a JSON line per shape: the median
+announce (trainer -> hub -> trainer) and announce-to-acknowledged, in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("bench.hub_roundtrip")
+
+
+def qwen_specs(shape: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """The pushed tensors of a Qwen2.5 shape (HF names, bf16), in the trainer's order."""
+    from bench.qwen_shapes import QWEN2_SHAPES, shape_name
+
+    h, inter, layers, heads, kv, vocab, tied = QWEN2_SHAPES[shape_name(shape)]
+    hd, bf = h // heads, "bfloat16"
+    specs = [("model.embed_tokens.weight", (vocab, h), bf)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "self_attn.q_proj.weight", (h, h), bf),
+            (p + "self_attn.q_proj.bias", (h,), bf),
+            (p + "self_attn.k_proj.weight", (kv * hd, h), bf),
+            (p + "self_attn.k_proj.bias", (kv * hd,), bf),
+            (p + "self_attn.v_proj.weight", (kv * hd, h), bf),
+            (p + "self_attn.v_proj.bias", (kv * hd,), bf),
+            (p + "self_attn.o_proj.weight", (h, h), bf),
+            (p + "mlp.gate_proj.weight", (inter, h), bf),
+            (p + "mlp.up_proj.weight", (inter, h), bf),
+            (p + "mlp.down_proj.weight", (h, inter), bf),
+            (p + "input_layernorm.weight", (h,), bf),
+            (p + "post_attention_layernorm.weight", (h,), bf),
+        ]
+    specs.append(("model.norm.weight", (h,), bf))
+    if not tied:
+        specs.append(("lm_head.weight", (vocab, h), bf))
+    return specs
+
+
+def make_replica_class() -> type:
+    import ray
+
+    from app.weights.records import Ack, Join, Push, plan_from_json, plan_to_json
+
+    @ray.remote(num_cpus=0)
+    class StandInReplica:
+        """The replica's weight loop without an engine: long-poll, join, take each push's plan as the workers
+        do (to JSON and back), acknowledge with a push's worth of checksums and phases."""
+
+        def __init__(self, hub: object, rid: str) -> None:
+            self.hub, self.rid = hub, rid
+
+        async def run(self, pushes: int) -> None:
+            await self.hub.register.remote(self.rid, 1)
+            epoch, version, seen = -1, -1, 0
+            while seen < pushes:
+                instr = await self.hub.next_instruction.remote(self.rid, epoch, version, 5.0)
+                if isinstance(instr, Join):
+                    epoch = instr.group.epoch
+                    await self.hub.ack.remote(self.rid, "join", epoch, Ack(ok=True))
+                elif isinstance(instr, Push):
+                    plan = plan_from_json(plan_to_json(instr.plan))
+                    version, seen = plan.version, seen + 1
+                    ack = Ack(ok=True, checksums=["0" * 32] * len(plan.buckets), detail={"load_s": 0.0})
+                    await self.hub.ack.remote(self.rid, "push", version, ack)
+
+    return StandInReplica
+
+
+def measure(shape: str, pushes: int) -> dict:
+    import ray
+
+    from app.weights.buckets import plan_buckets
+    from app.weights.hub import WeightHub
+
+    specs = qwen_specs(shape)
+    hub = ray.remote(WeightHub).remote()
+    done = make_replica_class().remote(hub, "r0").run.remote(pushes)
+    deadline = time.monotonic() + 60
+    while ray.get(hub.alive_count.remote()) < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the stand-in replica did not register within 60 s")
+        time.sleep(0.05)
+    group = ray.get(hub.open_epoch.remote("127.0.0.1", 1, "gloo", 10.0))
+    ray.get(hub.wait_acks.remote("join", group.epoch, 10.0))
+    announce, total = [], []
+    for v in range(pushes):
+        plan = plan_buckets(specs, 256 << 20, v)  # a fresh plan each push, as a trainer without a cache
+        t0 = time.perf_counter()
+        assert ray.get(hub.announce.remote(plan, group.epoch), timeout=30)
+        t1 = time.perf_counter()
+        acks = ray.get(hub.wait_acks.remote("push", v, 10.0), timeout=30)
+        t2 = time.perf_counter()
+        if not acks.complete:
+            raise RuntimeError(f"push {v} not acknowledged: {acks}")
+        announce.append(1000 * (t1 - t0))
+        total.append(1000 * (t2 - t0))
+    ray.get(done, timeout=30)
+    ray.kill(hub)
+    warm = slice(min(5, pushes - 1), None)  # the first pushes warm the actors and the layout caches
+    return {
+        "shape": shape,
+        "tensors": len(specs),
+        "buckets": len(plan.buckets),
+        "median_announce_ms": round(statistics.median(announce[warm]), 2),
+        "median_roundtrip_ms": round(statistics.median(total[warm]), 2),
+        "min_roundtrip_ms": round(min(total[warm]), 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="tiny,1.5B,7B")
+    ap.add_argument("--pushes", type=int, default=40)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        for shape in args.shapes.split(","):
+            sys.stdout.write(json.dumps({"bench": "hub_roundtrip", **measure(shape, args.pushes)}) + "\n")
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
