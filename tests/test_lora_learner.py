@@ -1,4 +1,4 @@
-"""LoRA in the learner under FSDP2 (2 gloo ranks, CPU): only the adapters train, are pushed and checkpointed;
+"""LoRA in the learner under FSDP2 (1 and 2 gloo ranks, CPU): only the adapters train, are pushed and checkpointed;
 the KL reference is the base with the adapters off; the final export is a PEFT adapter plus the merged model."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _rank(rank: int, port: int, path: str, out: str, q) -> None:
+def _rank(rank: int, world: int, port: int, path: str, out: str, q) -> None:
     import torch.distributed as dist
 
     from app.trainer import checkpoint, lora
@@ -44,7 +44,7 @@ def _rank(rank: int, port: int, path: str, out: str, q) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         torch.manual_seed(0)
         learner = Learner(load_config(None, KEYS), path, torch.device("cpu"))
@@ -63,7 +63,7 @@ def _rank(rank: int, port: int, path: str, out: str, q) -> None:
         )
         dist.barrier()
         if rank == 0:
-            for r in range(2):
+            for r in range(world):
                 shutil.copytree(Path(out, f"ckpt-r{r}"), Path(out, "ckpt"), dirs_exist_ok=True)
         dist.barrier()
         learner.save_hf(str(Path(out, "final")), path)
@@ -105,7 +105,8 @@ def _rank(rank: int, port: int, path: str, out: str, q) -> None:
         dist.destroy_process_group()
 
 
-def test_lora_learner_under_fsdp2(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])  # one rank gathers the adapters without all-gathers
+def test_lora_learner_under_fsdp2(tmp_path, world):
     from app.trainer import lora
     from app.weights.group import free_port
 
@@ -113,7 +114,7 @@ def test_lora_learner_under_fsdp2(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, path, str(tmp_path), q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, path, str(tmp_path), q)) for r in range(world)]
     for p in procs:
         p.start()
     try:
