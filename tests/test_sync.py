@@ -93,6 +93,21 @@ def test_checksum_is_bit_exact_and_position_sensitive():
     assert checksum(torch.ones(3, dtype=torch.bfloat16)) != checksum(torch.ones(3, dtype=torch.bfloat16) * 2)
 
 
+def test_pack_casts_into_the_pushed_dtype_in_one_batched_copy():
+    from app.weights.buckets import pack_into
+
+    state = _state()  # float32, as a trainer's master weights
+    specs = [(n, tuple(t.shape), torch.bfloat16) for n, t in state.items()]
+    for b in plan_buckets(specs, 2**15, 1).buckets:
+        src = [state[t.name] for t in b.tensors]
+        out = pack_into(b, src, torch.empty(b.numel, dtype=torch.bfloat16))
+        want = torch.cat([t.reshape(-1).to(torch.bfloat16) for t in src])
+        assert torch.equal(out, want)
+        # sources of two dtypes (one already bf16): the same bytes
+        mixed = [t.to(torch.bfloat16) if i % 2 else t for i, t in enumerate(src)]
+        assert torch.equal(pack_into(b, mixed, torch.empty(b.numel, dtype=torch.bfloat16)), want)
+
+
 def test_pack_unpack_roundtrip():
     state = _state()
     plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in state.items()], 2**16, 1)
