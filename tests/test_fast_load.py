@@ -151,6 +151,16 @@ def test_slot_loader_loads_a_flat_bucket_as_the_per_tensor_copy_does():
     for b, flat in zip(plan.buckets, longer, strict=True):
         assert SlotLoader(fresh, slots).flat(b, flat)
     assert all(torch.equal(fresh[n], by_items[n]) for n in fresh)
+    # a parameter whose storage is replaced (`.data` swapped, as a reload may do): loaded into the new storage
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in _engine().items()}
+    loader = SlotLoader(params, slots)
+    for b, flat in zip(plan.buckets, flats, strict=True):
+        loader.flat(b, flat)
+    for p in params.values():
+        p.data = torch.zeros_like(p.data)
+    for b, flat in zip(plan.buckets, flats, strict=True):
+        assert loader.flat(b, flat)
+    assert all(torch.equal(params[n].data, by_items[n]) for n in params)
 
 
 def test_slot_loader_leaves_a_cast_to_the_per_tensor_copy():

@@ -114,9 +114,10 @@ class SlotLoader:
 
     def __init__(self, params: Mapping[str, torch.Tensor], slots: Mapping[str, Slot | None]) -> None:
         self.params, self.slots = params, slots
-        # id(bucket) -> (bucket, split sizes, indices of the loaded parts, their flat destinations), or None
-        # where the bucket cannot load that way (a dtype cast, tensors not back to back)
-        self._buckets: dict[int, tuple[Any, list[int], list[int], list[torch.Tensor]] | None] = {}
+        # id(bucket) -> (bucket, split sizes, indices of the loaded parts, their flat destinations, and each
+        # destination parameter with its storage address when worked out); sizes None where the bucket cannot
+        # load that way (a dtype cast, tensors not back to back)
+        self._buckets: dict[int, Any] = {}
 
     def __call__(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         copy_into(self.params, self.slots, items)
@@ -125,31 +126,38 @@ class SlotLoader:
         """Load bucket `bucket` (app/weights/records.py `Bucket`) from its received flat buffer; False where it
         must go through (name, tensor) items instead."""
         hit = self._buckets.get(id(bucket))
-        if hit is None or hit[0] is not bucket:
+        if hit is None or hit[0] is not bucket or _moved(hit[4]):  # a parameter's storage was replaced
             hit = self._buckets[id(bucket)] = self._plan(bucket, flat.dtype)
-        if hit is None:
+        _, sizes, keep, dsts, _ = hit
+        if sizes is None:
             return False
-        _, sizes, keep, dsts = hit
         if dsts:  # (a bucket of skipped tensors alone, a tied lm_head, loads nothing)
             parts = (flat if flat.numel() == bucket.numel else flat[: bucket.numel]).split(sizes)
             torch._foreach_copy_(dsts, [parts[i] for i in keep])
         return True
 
     def _plan(self, bucket: Any, dtype: torch.dtype) -> Any:
-        sizes, keep, dsts, at = [], [], [], 0
+        sizes, keep, dsts, held, at = [], [], [], {}, 0
         for i, t in enumerate(bucket.tensors):
             if t.offset != at:
-                return None
+                return bucket, None, None, None, []
             at += t.numel
             sizes.append(t.numel)
             slot = self.slots[t.name]
             if slot is None:
                 continue
-            dst = self.params[slot.param].data.narrow(0, slot.start, slot.rows)
+            param = self.params[slot.param]
+            held[slot.param] = (param, param.data_ptr())
+            dst = param.data.narrow(0, slot.start, slot.rows)
             if dst.dtype != dtype or not dst.is_contiguous() or dst.numel() != t.numel:
-                return None
+                return bucket, None, None, None, []
             keep.append(i)
             dsts.append(dst.view(-1))
         if at != bucket.numel:
             sizes.append(bucket.numel - at)  # padding after the last tensor: split off, never copied
-        return bucket, sizes, keep, dsts
+        return bucket, sizes, keep, dsts, list(held.values())
+
+
+def _moved(held: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether any parameter's storage moved since its destinations were worked out (`param.data` replaced)."""
+    return any(p.data_ptr() != ptr for p, ptr in held)
