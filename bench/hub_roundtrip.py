@@ -4,10 +4,15 @@ the trainer waits for the acknowledgement. Ray actors on this machine's CPUs, no
 
     python bench/hub_roundtrip.py [--shapes tiny,1.5B,7B] [--pushes 40]
 
+Also measured, for a design not built: the stand-in replica writes its acknowledgement into a TCPStore hosted by
+the trainer (as the weight group's store is) before it acknowledges to the hub, and the trainer waits on that key:
+the time an acknowledgement through the group's store would take instead of the hub's two Ray hops.
+
 The replica here is a stand-in (the true boundary is vLLM, which `bench/push_in_loop.py` measures); the hub, the
 records and their serialisation are the run's. The plan is a Qwen2.5 shape's (`bench/qwen_shapes.py`) in the
 default 256 MiB buckets: its size on the wire is what this measures. Prints a JSON line per shape: the median
-announce (trainer -> hub -> trainer) and announce-to-acknowledged, in ms.
+announce (trainer -> hub -> trainer), announce-to-acknowledged through the hub, and announce-to-acknowledged
+through the store, in ms.
 """
 
 from __future__ import annotations
@@ -66,8 +71,19 @@ def make_replica_class() -> type:
         """The replica's weight loop without an engine: long-poll, join, take each push's plan as the workers
         do (to JSON and back), acknowledge with a push's worth of checksums and phases."""
 
-        def __init__(self, hub: object, rid: str) -> None:
+        def __init__(self, hub: object, rid: str, store_port: int) -> None:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
             self.hub, self.rid = hub, rid
+            self.store = dist.TCPStore(
+                "127.0.0.1",
+                store_port,
+                is_master=False,
+                timeout=timedelta(seconds=30),
+                wait_for_workers=False,
+            )
 
         async def run(self, pushes: int) -> None:
             await self.hub.register.remote(self.rid, 1)
@@ -81,20 +97,29 @@ def make_replica_class() -> type:
                     plan = plan_from_json(plan_to_json(instr.plan))
                     version, seen = plan.version, seen + 1
                     ack = Ack(ok=True, checksums=["0" * 32] * len(plan.buckets), detail={"load_s": 0.0})
+                    self.store.set(f"ack/{version}/{self.rid}", json.dumps(ack.as_dict()))
                     await self.hub.ack.remote(self.rid, "push", version, ack)
 
     return StandInReplica
 
 
 def measure(shape: str, pushes: int) -> dict:
+    from datetime import timedelta
+
     import ray
+    import torch.distributed as dist
 
     from app.weights.buckets import plan_buckets
+    from app.weights.group import free_port
     from app.weights.hub import WeightHub
 
     specs = qwen_specs(shape)
+    port = free_port()
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )
     hub = ray.remote(WeightHub).remote()
-    done = make_replica_class().remote(hub, "r0").run.remote(pushes)
+    done = make_replica_class().remote(hub, "r0", port).run.remote(pushes)
     deadline = time.monotonic() + 60
     while ray.get(hub.alive_count.remote()) < 1:
         if time.monotonic() > deadline:
@@ -102,18 +127,22 @@ def measure(shape: str, pushes: int) -> dict:
         time.sleep(0.05)
     group = ray.get(hub.open_epoch.remote("127.0.0.1", 1, "gloo", 10.0))
     ray.get(hub.wait_acks.remote("join", group.epoch, 10.0))
-    announce, total = [], []
+    announce, total, by_store = [], [], []
     for v in range(pushes):
         plan = plan_buckets(specs, 256 << 20, v)  # a fresh plan each push, as a trainer without a cache
         t0 = time.perf_counter()
         assert ray.get(hub.announce.remote(plan, group.epoch), timeout=30)
         t1 = time.perf_counter()
-        acks = ray.get(hub.wait_acks.remote("push", v, 10.0), timeout=30)
+        pending = hub.wait_acks.remote("push", v, 10.0)  # asked at once, as the trainer does before its walk
+        store.wait([f"ack/{v}/r0"], timedelta(seconds=30))
+        ts = time.perf_counter()
+        acks = ray.get(pending, timeout=30)
         t2 = time.perf_counter()
         if not acks.complete:
             raise RuntimeError(f"push {v} not acknowledged: {acks}")
         announce.append(1000 * (t1 - t0))
         total.append(1000 * (t2 - t0))
+        by_store.append(1000 * (ts - t0))
     ray.get(done, timeout=30)
     ray.kill(hub)
     warm = slice(min(5, pushes - 1), None)  # the first pushes warm the actors and the layout caches
@@ -124,6 +153,7 @@ def measure(shape: str, pushes: int) -> dict:
         "median_announce_ms": round(statistics.median(announce[warm]), 2),
         "median_roundtrip_ms": round(statistics.median(total[warm]), 2),
         "min_roundtrip_ms": round(min(total[warm]), 2),
+        "median_roundtrip_by_store_ms": round(statistics.median(by_store[warm]), 2),
     }
 
 
