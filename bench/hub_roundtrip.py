@@ -33,32 +33,16 @@ log = logging.getLogger("bench.hub_roundtrip")
 
 
 def qwen_specs(shape: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """The pushed tensors of a Qwen2.5 shape (HF names, bf16), in the trainer's order."""
-    from bench.qwen_shapes import QWEN2_SHAPES, shape_name
+    """The pushed tensors of a Qwen2.5 shape (HF names, bf16), in the trainer's order: the parameters of
+    `bench/qwen_shapes.py`'s config, built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
 
-    h, inter, layers, heads, kv, vocab, tied = QWEN2_SHAPES[shape_name(shape)]
-    hd, bf = h // heads, "bfloat16"
-    specs = [("model.embed_tokens.weight", (vocab, h), bf)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [
-            (p + "self_attn.q_proj.weight", (h, h), bf),
-            (p + "self_attn.q_proj.bias", (h,), bf),
-            (p + "self_attn.k_proj.weight", (kv * hd, h), bf),
-            (p + "self_attn.k_proj.bias", (kv * hd,), bf),
-            (p + "self_attn.v_proj.weight", (kv * hd, h), bf),
-            (p + "self_attn.v_proj.bias", (kv * hd,), bf),
-            (p + "self_attn.o_proj.weight", (h, h), bf),
-            (p + "mlp.gate_proj.weight", (inter, h), bf),
-            (p + "mlp.up_proj.weight", (inter, h), bf),
-            (p + "mlp.down_proj.weight", (h, inter), bf),
-            (p + "input_layernorm.weight", (h,), bf),
-            (p + "post_attention_layernorm.weight", (h,), bf),
-        ]
-    specs.append(("model.norm.weight", (h,), bf))
-    if not tied:
-        specs.append(("lm_head.weight", (vocab, h), bf))
-    return specs
+    from bench.qwen_shapes import qwen2_config
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(qwen2_config(shape))
+    return [(n, tuple(p.shape), "bfloat16") for n, p in model.named_parameters()]
 
 
 def make_replica_class() -> type:
