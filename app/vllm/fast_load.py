@@ -112,6 +112,8 @@ class SlotLoader:
     per-tensor way costs two view ops per tensor in Python (about a third of the receiver's time per bucket at
     1.5B, more than the bucket's time on the link). Called with (name, tensor) items it is `copy_into`."""
 
+    queues_on_device = True  # copies only (app/weights/buckets.py `device_ordered`): a receiver need not wait
+
     def __init__(self, params: Mapping[str, torch.Tensor], slots: Mapping[str, Slot | None]) -> None:
         self.params, self.slots = params, slots
         # id(bucket) -> (bucket, split sizes, indices of the loaded parts, their flat destinations, and each

@@ -1,7 +1,9 @@
 """The bucketed broadcast transport: each flat bucket is one broadcast from rank 0 over a `StatelessGroup`.
 
 Rank 0 checksums a bucket while it is in flight; receivers checksum and load bucket k while bucket k+1 is in
-flight. `send_buckets` (rank 0's `_BroadcastSender` on the shared walk, `buckets.walk_buckets`) and
+flight. Neither end's host waits for a bucket on NCCL: each end orders its stream after the broadcasts
+(`StatelessGroup.follow`) and waits, under the deadline, only for the last one, so the next broadcast is always
+posted on both ends and the link never idles for a host's reaction between buckets. `send_buckets` (rank 0's `_BroadcastSender` on the shared walk, `buckets.walk_buckets`) and
 `receive_buckets` are the two ends; `start` (one broadcast per bucket here) is the only part a variant of this
 transport needs to change.
 """
@@ -14,7 +16,15 @@ from typing import Any
 
 import torch
 
-from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, load_bucket, pack_into, walk_buckets
+from app.weights.buckets import (
+    _checksum_sums,
+    _ck_strings,
+    _dtype,
+    load_bucket,
+    pack_into,
+    queues_on_device,
+    walk_buckets,
+)
 from app.weights.group import StatelessGroup
 from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
 from app.weights.transport import Gather, Load, register_transport
@@ -46,24 +56,27 @@ class _BroadcastSender:
         sums = _checksum_sums(flat)
         stats.transfer_s += time.perf_counter() - t2
         previous, self.inflight = self.inflight, (flat, works)
-        self._settle(previous, stats)  # it overlapped this one's gather, pack and checksum
+        # its buffer is reused only after it left (on NCCL the stream waits for it, not the host)
+        self._settle(previous, stats, self.group.follow)
         return sums
 
     def finish(self, stats: PushStats) -> None:
         last, self.inflight = self.inflight, None
         try:
-            self._settle(last, stats)
+            self._settle(last, stats, self.group.wait)  # the last one, under the deadline, covers them all
         finally:
             if self.group.device.type == "cuda":
                 torch.cuda.synchronize(self.group.device)
 
-    def _settle(self, inflight: tuple[torch.Tensor, list[Any]] | None, stats: PushStats) -> None:
+    def _settle(
+        self, inflight: tuple[torch.Tensor, list[Any]] | None, stats: PushStats, wait: Callable[[Any], None]
+    ) -> None:
         if inflight is None:
             return
         t = time.perf_counter()
         try:
             for work in inflight[1]:
-                self.group.wait(work)
+                wait(work)
         finally:
             stats.transfer_s += time.perf_counter() - t
 
@@ -93,13 +106,17 @@ def receive_buckets(
 
     Each bucket is checksummed and loaded while the next one is in flight; `load` sees the buckets in order.
     `start(flat)` starts receiving into one bucket's buffer and returns the works to wait for; it must
-    mirror the sender's.
+    mirror the sender's. On NCCL, where `load` only queues device work (`buckets.device_ordered`), the host
+    queues every bucket's receive, checksum and load behind the one before (`StatelessGroup.follow`) and waits
+    under the deadline only for the last bucket; any other `load` is handed a bucket once it arrived.
     """
     start = start or _broadcast_one(group)
+    follow = group.follow if queues_on_device(load) else group.wait
     sums: list[torch.Tensor] = []
     timing = {"transfer_s": 0.0, "load_s": 0.0}
     t_start = time.perf_counter()
     received: tuple[Bucket, torch.Tensor] | None = None
+    works: list[Any] = []
 
     def finish(bucket: Bucket, flat: torch.Tensor) -> None:
         t1 = time.perf_counter()
@@ -113,8 +130,10 @@ def receive_buckets(
         if received is not None:
             finish(*received)
         for work in works:
-            group.wait(work)
+            follow(work)
         received = (bucket, flat)
+    for work in works:  # the last bucket's, under the deadline: NCCL ran every earlier one before it
+        group.wait(work)
     if received is not None:
         finish(*received)
     timing["transfer_s"] = time.perf_counter() - t_start - timing["load_s"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -110,6 +110,19 @@ def _ck_strings(sums: list[torch.Tensor]) -> list[str]:
 def unpack(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Views of each tensor of `bucket` inside its received flat buffer."""
     return [(t.name, flat[t.offset : t.offset + t.numel].view(t.shape)) for t in bucket.tensors]
+
+
+def device_ordered(load: Callable[..., None]) -> Callable[..., None]:
+    """Mark a loader whose work is only queued on the current device stream (no host sync, no reference kept
+    to what it is handed): a receiver may then hand it a bucket before the bucket has arrived, ordered after
+    the bucket's broadcast on the device (`queues_on_device`)."""
+    load.queues_on_device = True  # type: ignore[attr-defined]
+    return load
+
+
+def queues_on_device(load: Load) -> bool:
+    """Whether `load` was marked `device_ordered` (a class attribute or a decorated function or method)."""
+    return bool(getattr(load, "queues_on_device", False))
 
 
 def load_bucket(load: Load, bucket: Bucket, flat: torch.Tensor) -> None:

@@ -113,6 +113,18 @@ class StatelessGroup:
         opts.timeout = self.nccl_timeout if self.backend == "nccl" else self.timeout
         return self.pg.broadcast([t], opts)
 
+    def follow(self, work: Any) -> None:
+        """Order what this process does next after `work`, without waiting for it where that can be left to the
+        device: NCCL makes the current CUDA stream wait for the broadcast's stream (the host goes on queueing
+        the next buckets, so NCCL always has the next broadcast posted); gloo waits, under the deadline.
+
+        A followed NCCL work is still unchecked: end a run of them with `wait` on the last one (NCCL runs one
+        group's broadcasts in order, so the last one's completion, under the deadline, covers them all)."""
+        if self.backend == "nccl":
+            work.wait()  # device-side: the current stream waits on NCCL's; the host does not block
+        else:
+            work.wait(self.timeout)
+
     def wait(self, work: Any) -> None:
         if self.backend == "nccl":
             self._wait_nccl(work)

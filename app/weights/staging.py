@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from app.weights.buckets import device_ordered
 from app.weights.records import PushPlan, SyncError
 
 Items = list[tuple[str, torch.Tensor]]
@@ -68,6 +69,7 @@ class StagedPush:
             self.done.set()
             _send_line(notify, {"ok": self.error is None, "error": self.error})
 
+    @device_ordered  # copies into the staging buffers, queued on the staging stream
     def _keep(self, items: Items) -> None:
         dsts, srcs = [], []
         for name, t in items:
