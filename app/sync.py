@@ -15,9 +15,11 @@ Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one
             even after a send failed, so the other ranks never wait in a gather rank 0 will not join.
          3. Each receiver receives bucket by bucket, checksums each flat buffer, and loads it into its
             model; at the end it sets its weight version to v (every token it samples afterwards carries v)
-            and acknowledges (v, checksums) through the hub.
+            and acknowledges (v, checksums): first into the epoch's TCPStore, which rank 0 hosts (the
+            trainer's short way back, app/weights/ack_board.py), then to the hub (membership, versions).
          4. The push is complete only when every member acknowledged v with checksums equal to the
-            trainer's, within `sync.timeout_s`. NCCL's own completion proves nothing (a broadcast to a dead
+            trainer's, within `sync.timeout_s`; the hub's answer decides where the store has not every
+            answer (a replica dropped, stuck or unable to reach the store). NCCL's own completion proves nothing (a broadcast to a dead
             peer can "succeed"); a missing or wrong acknowledgement fails the push naming the replica, and
             the next push forms a new epoch.
 
@@ -81,6 +83,7 @@ from app.infra.ray_compat import current_actor
 from app.trainer.comm import bcast, first_error
 from app.vllm import engine as vla
 from app.vllm.adapters import Adapter, AdapterBook
+from app.weights.ack_board import AckPoster, collect
 from app.weights.buckets import plan_buckets
 from app.weights.group import free_port, resolve_backend
 from app.weights.hub import check_acks
@@ -130,6 +133,7 @@ class TrainerSync:
         self.walker = make_transport(self.transport_name)
         self.transport: WeightTransport | None = None  # rank 0's end of the current epoch
         self.epoch: int | None = None  # that epoch's number
+        self.replicas: list[str] = []  # that epoch's replicas, whose acknowledgements a push waits for
         self.backend = resolve_backend(cfg.sync.backend, device)
         # the trainer ranks that send: rank 0 alone, or every rank where the transport sends from each rank to
         # the replicas on its own GPU (CUDA IPC with a trainer rank and a replica on every GPU)
@@ -264,7 +268,7 @@ class TrainerSync:
             raise SyncError(failed)
         if err is not None:
             return err
-        self.transport, self.epoch = transport, info.epoch
+        self.transport, self.epoch, self.replicas = transport, info.epoch, sorted(info.ranks)
         train_log.info(
             "weight group epoch %d formed (%s): %d receivers, %d sender(s) in %.2fs",
             info.epoch,
@@ -344,7 +348,7 @@ class TrainerSync:
         t0 = time.perf_counter()
         if err is not None:  # a transport failure (a receiver died mid-push): only collect who answered
             pending = self.hub.wait_acks.remote("push", plan.version, min(5.0, s.timeout_s))
-        acks: Acks = ray.get(pending, timeout=s.timeout_s + 30)
+        acks, stats.acked_via = self._acks(plan.version, pending, err)
         stats.ack_s = time.perf_counter() - t0
         try:
             check_acks(acks, stats.checksums if s.verify and not err else None, s.timeout_s)
@@ -353,6 +357,28 @@ class TrainerSync:
             err = f"{err + '; ' if err else ''}{e}"
             ray.get(self.hub.drop.remote(acks.missing + acks.failed))
         return stats, err
+
+    def _acks(self, version: int, pending: Any, err: str | None) -> tuple[Acks, str]:
+        """Rank 0: every replica's answer to push `version`. After a walk without failure they come through
+        the weight group's store (app/weights/ack_board.py: no Ray call on the way); the hub's answer
+        (`pending`) where the store has not every answer by the deadline, where the hub answers first (a
+        replica dropped), or after a failed walk. Returns them and where they came from."""
+        import ray
+
+        s = self.cfg.sync
+        store = getattr(getattr(self.transport, "group", None), "store", None)
+        if err is None and store is not None and self.replicas and self.epoch is not None:
+            got = collect(
+                store,
+                self.epoch,
+                version,
+                self.replicas,
+                time.monotonic() + s.timeout_s,
+                lambda: bool(ray.wait([pending], timeout=0)[0]),
+            )
+            if got is not None:
+                return Acks(kind="push", key=version, got=got), "store"
+        return ray.get(pending, timeout=s.timeout_s + 30), "hub"
 
     def _plan(self, version: int, bucket_bytes: int) -> PushPlan:
         """This push's plan: the last push's buckets with the new version while the pushed tensors and the
@@ -515,6 +541,8 @@ class ReplicaSync:
         self.abort_seen = -1  # run control's abort requests handled (set at start)
         self.leaving = False
         self.admitted = asyncio.Event()
+        self.verified = False  # a push of the trainer's weights acknowledged (its first one carries join_s)
+        self.poster: AckPoster | None = None  # this epoch's acknowledgements into the trainer's store
         self.last_error: str | None = None
         self.dead: str | None = None  # why this replica can never serve again (its engine died)
         self.lock = asyncio.Lock()  # a weight load and an abort never overlap
@@ -681,11 +709,44 @@ class ReplicaSync:
                 first_rank=instr.rank,
             )
             self.epoch, self.group_timeout_s = g.epoch, g.timeout_s
+            self.poster = await asyncio.to_thread(self._poster, g)
             await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail={"workers": res}))
         except Exception as e:
             self.last_error = f"join of epoch {g.epoch} failed: {e}"
             log.warning("replica %s: %s", self.replica_id, self.last_error)
             await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=False, error=str(e)))
+
+    def _poster(self, g: GroupInfo) -> AckPoster | None:
+        """A client of epoch `g`'s store for this replica's acknowledgements; None (the hub alone) where the
+        trainer's store cannot be reached from here."""
+        try:
+            return AckPoster(g.host, g.port, g.epoch, g.timeout_s)
+        except Exception as e:
+            log.warning(
+                "replica %s: the weight group's store at %s:%d is unreachable (%s); acknowledging through the hub "
+                "alone",
+                self.replica_id,
+                g.host,
+                g.port,
+                e,
+            )
+            return None
+
+    async def _post(self, version: int, ack: Ack) -> None:
+        """Acknowledge into the trainer's store (app/weights/ack_board.py) before the hub; a failure is logged
+        and leaves the hub alone for the rest of the epoch."""
+        poster = self.poster
+        if poster is None or poster.epoch != self.epoch:
+            return
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(poster.post, version, self.replica_id, ack), timeout=self.group_timeout_s
+            )
+        except Exception as e:
+            self.poster = None
+            log.warning(
+                "replica %s: acknowledging v%d into the store failed: %r", self.replica_id, version, e
+            )
 
     async def _set_version(self, version: int) -> None:
         self.version = version
@@ -710,17 +771,22 @@ class ReplicaSync:
                 load_s=max(r["load_s"] for r in res),
                 worker_s=max(r["receive_s"] for r in res),
             )
+            if not self.verified:  # as the hub counts it: registration to the first verified weights
+                ph["join_s"] = time.time() - self.started
             ack = Ack(
                 ok=True,
                 checksums=agreed_checksums(res, self.replica_id, plan.version),
                 detail={**ph, "acked_at": time.time()},
             )
-            await self.hub.ack.remote(self.replica_id, "push", plan.version, ack)
+            self.verified = True
         except Exception as e:
             self.last_error = f"receive of version {plan.version} failed: {e}"
             log.warning("replica %s: %s", self.replica_id, self.last_error)
-            with contextlib.suppress(Exception):
-                await self.hub.ack.remote(self.replica_id, "push", plan.version, Ack(ok=False, error=str(e)))
+            ack = Ack(ok=False, error=str(e))
+        await self._post(plan.version, ack)  # the trainer's short way (app/weights/ack_board.py)
+        with contextlib.suppress(Exception):
+            await self.hub.ack.remote(self.replica_id, "push", plan.version, ack)
+        if not ack.ok:
             self.epoch = -1  # rejoin at the next epoch
 
     async def _load_adapter(self, plan: PushPlan, ph: dict[str, float]) -> list[dict[str, Any]]:

@@ -4,9 +4,10 @@ the trainer waits for the acknowledgement. Ray actors on this machine's CPUs, no
 
     python bench/hub_roundtrip.py [--shapes tiny,1.5B,7B] [--pushes 40]
 
-Also measured, for a design not built: the stand-in replica writes its acknowledgement into a TCPStore hosted by
-the trainer (as the weight group's store is) before it acknowledges to the hub, and the trainer waits on that key:
-the time an acknowledgement through the group's store would take instead of the hub's two Ray hops.
+Also measured, the way pushes acknowledge now (app/weights/ack_board.py): the stand-in replica posts its
+acknowledgement into a TCPStore hosted by the trainer (as the weight group's store is) with `AckPoster` before it
+acknowledges to the hub, and the trainer waits with `collect`: announce-to-acknowledged through the group's store,
+against the hub's two Ray hops in the same pushes.
 
 The replica here is a stand-in (the true boundary is vLLM, which `bench/push_in_loop.py` measures); the hub, the
 records and their serialisation are the run's. The plan is a Qwen2.5 shape's (`bench/qwen_shapes.py`) in the
@@ -48,6 +49,7 @@ def qwen_specs(shape: str) -> list[tuple[str, tuple[int, ...], str]]:
 def make_replica_class() -> type:
     import ray
 
+    from app.weights.ack_board import AckPoster
     from app.weights.records import Ack, Join, Push, plan_from_json, plan_to_json
 
     @ray.remote(num_cpus=0)
@@ -56,18 +58,8 @@ def make_replica_class() -> type:
         do (to JSON and back), acknowledge with a push's worth of checksums and phases."""
 
         def __init__(self, hub: object, rid: str, store_port: int) -> None:
-            from datetime import timedelta
-
-            import torch.distributed as dist
-
-            self.hub, self.rid = hub, rid
-            self.store = dist.TCPStore(
-                "127.0.0.1",
-                store_port,
-                is_master=False,
-                timeout=timedelta(seconds=30),
-                wait_for_workers=False,
-            )
+            self.hub, self.rid, self.port = hub, rid, store_port
+            self.poster: AckPoster | None = None
 
         async def run(self, pushes: int) -> None:
             await self.hub.register.remote(self.rid, 1)
@@ -76,12 +68,13 @@ def make_replica_class() -> type:
                 instr = await self.hub.next_instruction.remote(self.rid, epoch, version, 5.0)
                 if isinstance(instr, Join):
                     epoch = instr.group.epoch
+                    self.poster = AckPoster("127.0.0.1", self.port, epoch, 30.0)
                     await self.hub.ack.remote(self.rid, "join", epoch, Ack(ok=True))
                 elif isinstance(instr, Push):
                     plan = plan_from_json(plan_to_json(instr.plan))
                     version, seen = plan.version, seen + 1
                     ack = Ack(ok=True, checksums=["0" * 32] * len(plan.buckets), detail={"load_s": 0.0})
-                    self.store.set(f"ack/{version}/{self.rid}", json.dumps(ack.as_dict()))
+                    self.poster.post(version, self.rid, ack)  # type: ignore[union-attr]
                     await self.hub.ack.remote(self.rid, "push", version, ack)
 
     return StandInReplica
@@ -93,6 +86,7 @@ def measure(shape: str, pushes: int) -> dict:
     import ray
     import torch.distributed as dist
 
+    from app.weights.ack_board import collect
     from app.weights.buckets import plan_buckets
     from app.weights.group import free_port
     from app.weights.hub import WeightHub
@@ -118,7 +112,8 @@ def measure(shape: str, pushes: int) -> dict:
         assert ray.get(hub.announce.remote(plan, group.epoch), timeout=30)
         t1 = time.perf_counter()
         pending = hub.wait_acks.remote("push", v, 10.0)  # asked at once, as the trainer does before its walk
-        store.wait([f"ack/{v}/r0"], timedelta(seconds=30))
+        if collect(store, group.epoch, v, ["r0"], time.monotonic() + 30, lambda: False) is None:
+            raise RuntimeError(f"push {v}: no acknowledgement in the store within 30 s")
         ts = time.perf_counter()
         acks = ray.get(pending, timeout=30)
         t2 = time.perf_counter()

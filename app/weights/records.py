@@ -107,6 +107,7 @@ class PushStats:
     failures: list[str] = field(default_factory=list)  # why each earlier try of this push failed (retried)
     checksums: list[str] = field(default_factory=list)
     extra: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica id -> its acknowledgement
+    acked_via: str = ""  # where the acknowledgements came from: the weight group's store, or the hub
 
     # a replica's phases, in its acknowledgement (app/sync.py): wake-up after the announcement, the staged
     # receive (sync.staged_receive: while generating), drain, pause call, the workers' receive (the RPC's round
@@ -148,6 +149,7 @@ class PushStats:
                 **{f"replica_{k}": v for k, v in self.replica_phases().items()},
             },
             "failures": list(self.failures),
+            "acked_via": self.acked_via,
             "replicas": sorted(self.extra),
             "summary": self.summary(),
         }
@@ -165,7 +167,8 @@ class PushStats:
         fmt = lambda d: " ".join(f"{k}={1000 * v:.1f}" for k, v in d.items()) or "-"  # noqa: E731
         return (
             f"push v{self.version}: {1000 * self.wall_s_or_sum:.1f} ms, {self.nbytes / 2**20:.1f} MiB in "
-            f"{self.buckets} bucket(s) [trainer {fmt(trainer)}] [replica {fmt(replica)}]"
+            f"{self.buckets} bucket(s) [trainer {fmt(trainer)}{' via ' + self.acked_via if self.acked_via else ''}] "
+            f"[replica {fmt(replica)}]"
         )
 
 
