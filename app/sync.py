@@ -134,6 +134,7 @@ class TrainerSync:
         self.transport: WeightTransport | None = None  # rank 0's end of the current epoch
         self.epoch: int | None = None  # that epoch's number
         self.replicas: list[str] = []  # that epoch's replicas, whose acknowledgements a push waits for
+        self.store_acks = False  # whether every one of them reached the epoch's store at its join
         self.backend = resolve_backend(cfg.sync.backend, device)
         # the trainer ranks that send: rank 0 alone, or every rank where the transport sends from each rank to
         # the replicas on its own GPU (CUDA IPC with a trainer rank and a replica on every GPU)
@@ -285,6 +286,7 @@ class TrainerSync:
         import ray
 
         s = self.cfg.sync
+        self.store_acks = False
         if err is not None:  # someone did not join: find out who, drop them, form again
             acks: Acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, 1.0))
             train_log.warning("epoch %d did not form (%s); dropping %s", info.epoch, err, acks.missing)
@@ -295,6 +297,8 @@ class TrainerSync:
             check_acks(acks, None, s.timeout_s)
         except SyncError as e:
             return None, f"{e}"
+        # a replica that could not reach the store acknowledges through the hub alone: then wait there
+        self.store_acks = all(bool(a.detail.get("store")) for a in acks.got.values())
         return None, None
 
     def _announce(self, plan: Any, deadline: float) -> tuple[float, float]:
@@ -367,7 +371,7 @@ class TrainerSync:
 
         s = self.cfg.sync
         store = getattr(getattr(self.transport, "group", None), "store", None)
-        if err is None and store is not None and self.replicas and self.epoch is not None:
+        if err is None and store is not None and self.store_acks and self.replicas and self.epoch is not None:
             got = collect(
                 store,
                 self.epoch,
@@ -710,7 +714,8 @@ class ReplicaSync:
             )
             self.epoch, self.group_timeout_s = g.epoch, g.timeout_s
             self.poster = await asyncio.to_thread(self._poster, g)
-            await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail={"workers": res}))
+            detail = {"workers": res, "store": self.poster is not None}  # acknowledges pushes into the store
+            await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail=detail))
         except Exception as e:
             self.last_error = f"join of epoch {g.epoch} failed: {e}"
             log.warning("replica %s: %s", self.replica_id, self.last_error)

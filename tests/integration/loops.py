@@ -58,6 +58,9 @@ def logprob_loop(config: dict[str, Any]) -> None:
             "push_bytes": push.nbytes,
             "push_buckets": push.buckets,
             "push": {"total_s": push.total_s, "transfer_s": push.transfer_s, "ack_s": push.ack_s},
+            "acked_via": push.acked_via,
+            "acks": push.extra,
+            "push_checksums": push.checksums,
             "transport": sync.transport_name,
             "token_versions": [s.versions for s in g.samples],
         }

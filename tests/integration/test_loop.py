@@ -69,6 +69,9 @@ def test_trainer_and_vllm_logprobs_match_after_step_and_push(rollout_stack, tmp_
     assert moved > 1e-3  # ... which did change
     assert r["replica_version"] == 1 and r["vllm_after"]["version"] == 1
     assert all(v == 0 for vs in r["token_versions"] for v in vs)  # sampled by the pushed v0
+    # the replicas' answers came the short way, through the weight group's store, whole: checksums and phases
+    assert r["acked_via"] == "store" and r["acks"], r
+    assert all(a["checksums"] == r["push_checksums"] and a["held_s"] > 0 for a in r["acks"].values())
 
 
 REQUIRED = [
