@@ -505,6 +505,9 @@ def agreed_checksums(results: list[dict[str, Any]], replica_id: str, version: in
     return first
 
 
+POSTER_CONNECT_S = 2.0  # a replica's connection to the epoch's store for its acknowledgements, at most
+
+
 class ReplicaSync:
     """The weight-group membership and run-control answers of one replica (`engine` is its AsyncLLM)."""
 
@@ -713,7 +716,7 @@ class ReplicaSync:
                 first_rank=instr.rank,
             )
             self.epoch, self.group_timeout_s = g.epoch, g.timeout_s
-            self.poster = await asyncio.to_thread(self._poster, g)
+            self.poster = await self._poster(g)
             detail = {"workers": res, "store": self.poster is not None}  # acknowledges pushes into the store
             await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail=detail))
         except Exception as e:
@@ -721,11 +724,14 @@ class ReplicaSync:
             log.warning("replica %s: %s", self.replica_id, self.last_error)
             await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=False, error=str(e)))
 
-    def _poster(self, g: GroupInfo) -> AckPoster | None:
+    async def _poster(self, g: GroupInfo) -> AckPoster | None:
         """A client of epoch `g`'s store for this replica's acknowledgements; None (the hub alone) where the
-        trainer's store cannot be reached from here."""
+        trainer's store cannot be reached from here within `POSTER_CONNECT_S` (the workers have just joined
+        through it, so a healthy connection takes milliseconds; the weights loop must not wait longer)."""
         try:
-            return AckPoster(g.host, g.port, g.epoch, g.timeout_s)
+            return await asyncio.wait_for(
+                asyncio.to_thread(AckPoster, g.host, g.port, g.epoch, g.timeout_s), timeout=POSTER_CONNECT_S
+            )
         except Exception as e:
             log.warning(
                 "replica %s: the weight group's store at %s:%d is unreachable (%s); acknowledging through the hub "
@@ -733,7 +739,9 @@ class ReplicaSync:
                 self.replica_id,
                 g.host,
                 g.port,
-                e,
+                f"no connection within {POSTER_CONNECT_S:.0f}s"
+                if isinstance(e, asyncio.TimeoutError)
+                else repr(e),
             )
             return None
 
