@@ -19,9 +19,9 @@ Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one
             trainer's short way back, app/weights/ack_board.py), then to the hub (membership, versions).
          4. The push is complete only when every member acknowledged v with checksums equal to the
             trainer's, within `sync.timeout_s`; the hub's answer decides where the store has not every
-            answer (a replica dropped, stuck or unable to reach the store). NCCL's own completion proves nothing (a broadcast to a dead
-            peer can "succeed"); a missing or wrong acknowledgement fails the push naming the replica, and
-            the next push forms a new epoch.
+            answer (a replica dropped, stuck or unable to reach the store). NCCL's own completion proves
+            nothing (a broadcast to a dead peer can "succeed"); a missing or wrong acknowledgement fails the
+            push naming the replica, and the next push forms a new epoch.
 
   Versions only increase, except that a trainer restored from a checkpoint announces its (older) version and
   the replicas roll back to it. Pushes do not overlap: one push is acknowledged (or failed) before the next is
