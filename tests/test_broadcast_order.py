@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from app.vllm.fast_load import SlotLoader
@@ -69,23 +70,25 @@ def _receive(load: Any) -> tuple[RecordingGroup, list[str], dict[str, torch.Tens
     return group, sums, got
 
 
-def test_a_device_ordered_receive_waits_on_the_host_for_the_last_bucket_only():
-    group, _, _ = _receive(device_ordered(lambda items: None))
+@pytest.mark.parametrize(
+    "load, settle",
+    [
+        # a device-ordered loader may be handed a bucket the host has not seen arrive: only the last is waited
+        (device_ordered(lambda items: None), "follow"),
+        # any other loader gets a bucket only after the host saw it arrive
+        (lambda items: None, "wait"),
+    ],
+    ids=["device-ordered", "any-other"],
+)
+def test_the_receiver_posts_the_next_bucket_before_loading_and_waits_on_the_host_as_its_loader_needs(
+    load, settle
+):
+    group, _, _ = _receive(load)
     assert group.log == [
-        ("post", 0), ("follow", 0),
-        ("post", 1), ("load", "w0"), ("follow", 1),
-        ("post", 2), ("load", "w2"), ("follow", 2),
-        ("wait", 2), ("load", "w4"),
-    ]  # fmt: skip
-
-
-def test_any_other_loader_gets_a_bucket_only_after_the_host_saw_it_arrive():
-    group, _, _ = _receive(lambda items: None)
-    assert group.log == [
-        ("post", 0), ("wait", 0),
-        ("post", 1), ("load", "w0"), ("wait", 1),
+        ("post", 0), (settle, 0),
+        ("post", 1), ("load", "w0"), (settle, 1),
         ("post", 2), ("load", "w2"), ("wait", 2),
-        ("wait", 2), ("load", "w4"),
+        ("load", "w4"),
     ]  # fmt: skip
 
 

@@ -3,8 +3,8 @@
 Rank 0 checksums a bucket while it is in flight; receivers checksum and load bucket k while bucket k+1 is in
 flight. Neither end's host waits for a bucket on NCCL: each end orders its stream after the broadcasts
 (`StatelessGroup.follow`) and waits, under the deadline, only for the last one, so the next broadcast is always
-posted on both ends and the link never idles for a host's reaction between buckets. `send_buckets` (rank 0's `_BroadcastSender` on the shared walk, `buckets.walk_buckets`) and
-`receive_buckets` are the two ends; `start` (one broadcast per bucket here) is the only part a variant of this
+posted on both ends and the link never idles for a host's reaction between buckets. `send_buckets` (rank 0's
+`_BroadcastSender` on the shared walk, `buckets.walk_buckets`) and `receive_buckets` are the two ends; `start` (one broadcast per bucket here) is the only part a variant of this
 transport needs to change.
 """
 
@@ -116,7 +116,7 @@ def receive_buckets(
     timing = {"transfer_s": 0.0, "load_s": 0.0}
     t_start = time.perf_counter()
     received: tuple[Bucket, torch.Tensor] | None = None
-    works: list[Any] = []
+    last = len(plan.buckets) - 1
 
     def finish(bucket: Bucket, flat: torch.Tensor) -> None:
         t1 = time.perf_counter()
@@ -124,16 +124,16 @@ def receive_buckets(
         load_bucket(load, bucket, flat)
         timing["load_s"] += time.perf_counter() - t1
 
-    for bucket in plan.buckets:
+    for i, bucket in enumerate(plan.buckets):
         flat = torch.empty(bucket.numel, dtype=_dtype(bucket.dtype), device=device)
         works = start(flat)
         if received is not None:
             finish(*received)
+        # the last bucket's under the deadline, on the host: NCCL ran every earlier one before it
+        settle = group.wait if i == last else follow
         for work in works:
-            follow(work)
+            settle(work)
         received = (bucket, flat)
-    for work in works:  # the last bucket's, under the deadline: NCCL ran every earlier one before it
-        group.wait(work)
     if received is not None:
         finish(*received)
     timing["transfer_s"] = time.perf_counter() - t_start - timing["load_s"]
