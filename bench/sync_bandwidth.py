@@ -154,7 +154,9 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
     else:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
-    group = StatelessGroup("127.0.0.1", port, rank, 2, "gloo" if cpu else "nccl", 300.0, 0, dev)
+    group = StatelessGroup(
+        "127.0.0.1", port, rank, 2, "gloo" if cpu else "nccl", 300.0, 0, dev, args["nccl_high_priority"]
+    )
     bucket_bytes = int(args["bucket_mb"] * 2**20)
     reps, warmup = args["reps"], args["warmup"]
     for size in args["sizes"]:
@@ -327,6 +329,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default="current,nockpt,legacy")
     ap.add_argument("--trace", default="", help="profile one push of this size (GPU) and print the top ops")
+    ap.add_argument(
+        "--nccl-high-priority", action="store_true", help="the weight group's NCCL stream at high priority"
+    )
     ns = ap.parse_args()
     cpu = ns.cpu or not torch.cuda.is_available() or torch.cuda.device_count() < 2
     sizes = (ns.sizes or ("tiny" if cpu else "0.5B,1.5B,3B,7B")).split(",")
@@ -341,6 +346,7 @@ def main() -> None:
         "warmup": ns.warmup,
         "variants": ns.variants.split(","),
         "trace": ns.trace,
+        "nccl_high_priority": ns.nccl_high_priority,
     }
     import torch.multiprocessing as mp
 
@@ -393,6 +399,7 @@ def main() -> None:
         "backend": "gloo" if cpu else "nccl",
         "torch": torch.__version__,
         "bucket_mb": args["bucket_mb"],
+        "nccl_high_priority": args["nccl_high_priority"],
         "reps": args["reps"],
         "warmup": args["warmup"],
         "wall_s": round(time.time() - t_start, 1),

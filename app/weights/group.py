@@ -75,6 +75,7 @@ class StatelessGroup:
         timeout_s: float,
         epoch: int = 0,
         device: torch.device | str = "cpu",
+        high_priority: bool = False,
     ) -> None:
         self.rank, self.world, self.backend, self.timeout = rank, world, backend, timedelta(seconds=timeout_s)
         self.device = torch.device(device)
@@ -89,6 +90,9 @@ class StatelessGroup:
             # `broadcast` enforces `timeout_s` itself and aborts the communicator on expiry; the watchdog,
             # which at its own timeout kills the whole process, must only ever come later.
             opts._timeout = self.nccl_timeout = self.timeout * 2 + timedelta(seconds=30)
+            # NCCL's stream at high priority: its kernels are scheduled before the pack, checksum and load
+            # kernels queued beside them (bench/sync_bandwidth.py --nccl-high-priority measures it)
+            opts.is_high_priority_stream = high_priority
             self.pg = dist.ProcessGroupNCCL(prefix, rank, world, opts)
             # Connect now, not at the first broadcast (a blocking NCCL init that no deadline can interrupt):
             # first wait, under the timeout, until every member has arrived; a missing one fails the join.
