@@ -3,6 +3,7 @@
     python bench/async_speedup.py [--prompts 160] [--batch-groups 8] [--n 4] [--max-tokens 96]
                                   [--lengths pareto:1.2:4] [--max-staleness 1] [--partial keep]
     python bench/async_speedup.py --gpus 2 --shape 1.5B --max-tokens 2048 --lengths pareto:1.2:128  # 2 GPUs
+    python bench/async_speedup.py --gpus 2 --shape 1.5B rollout.cuda_graphs=true  # config overrides, every mode
 
 The built-in task with a long-tailed response-length distribution: every prompt group gets
 min(max_tokens, MIN x Pareto(ALPHA)) tokens (EOS ignored, so lengths are exact and the same prompt has the
@@ -89,6 +90,9 @@ def main() -> None:
     ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "relay-models"))
     ap.add_argument("--cache-dir", default=".cache/relay")
     ap.add_argument("--out", default="runs/bench_async_speedup")
+    ap.add_argument(
+        "overrides", nargs="*", help="config overrides for every mode, e.g. rollout.cuda_graphs=true"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -146,6 +150,7 @@ def main() -> None:
                     f"ray.name=bench-{mode}",
                     f"tracking.run_name={mode}",
                     *extra.get(mode, []),
+                    *args.overrides,  # last: they win over the bench's own settings
                 ],
             )
             res = driver.run(cfg)
@@ -173,6 +178,7 @@ def main() -> None:
         "gpu": args.gpu,
         "gpus": args.gpus,
         "shape": args.shape,
+        "overrides": args.overrides,
         "modes": results,
         "ratio_to_sync": {m: round(r["tokens_per_s"] / base, 3) for m, r in results.items()} if base else {},
     }
