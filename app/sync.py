@@ -879,27 +879,22 @@ class ReplicaSync:
         self, plan: PushPlan, ph: dict[str, float], method: str, **kw: Any
     ) -> list[dict[str, Any]]:
         """Pause, run `method` in every worker (receive and load the push, or load the staged one), set the
-        version, resume. Phases: drain, pause, receive (the workers' RPC: transfer and load inside it), version,
-        resume, and held (generation paused)."""
+        version, resume. The pause and the call go out together where the pause stops every step at once
+        (`vla.paused_call`). Phases: drain, pause and receive (each from the pause's start to its answer; they
+        overlap where sent together; the workers' transfer and load are inside receive), version, resume, and
+        held (generation paused)."""
         t0 = time.perf_counter()
         async with self._drained(plan.version):
             t1 = time.perf_counter()
-            await vla.pause(self.engine, self.partial, self.recompute_kv)
-            t2 = time.perf_counter()
             try:
-                res = await vla.rpc(self.engine, method, timeout=None, **kw)
+                res, ph["pause_s"], ph["receive_s"] = await vla.paused_call(
+                    self.engine, self.partial, self.recompute_kv, method, timeout=None, **kw
+                )
             finally:
                 t3 = time.perf_counter()
                 await self._set_version(plan.version)
                 t4 = time.perf_counter()
                 await vla.resume(self.engine)
                 t5 = time.perf_counter()
-        ph.update(
-            drain_s=t1 - t0,
-            pause_s=t2 - t1,
-            receive_s=t3 - t2,
-            version_s=t4 - t3,
-            resume_s=t5 - t4,
-            held_s=t5 - t1,
-        )
+        ph.update(drain_s=t1 - t0, version_s=t4 - t3, resume_s=t5 - t4, held_s=t5 - t1)
         return res

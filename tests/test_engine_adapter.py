@@ -78,6 +78,74 @@ def test_pause_clears_a_prefix_cache() -> None:
     assert eng.calls == [("core", "keep", True)]
 
 
+class _LoadingEngine(_Engine):
+    """An engine core whose pause answers only once the step in flight ended (`step_done`), as vLLM's does
+    under load, and whose workers' call (the weight load) ends that step's wait: each message is logged when
+    it is sent, each answer when it comes."""
+
+    def __init__(self, in_flight: bool = True, fail: bool = False) -> None:
+        super().__init__(in_flight=in_flight)
+        self.step_done = asyncio.Event()
+        self.fail = fail
+        log = self.calls
+
+        class Core:
+            async def pause_scheduler_async(core, mode: str, clear_cache: bool) -> None:
+                log.append(("pause sent", mode))
+                await self.step_done.wait()
+                log.append(("pause answered", mode))
+
+        self.engine_core = Core()
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, kwargs: Any = None) -> list:
+        self.calls.append(("call sent", method))
+        self.step_done.set()  # the step in flight ends while the workers receive
+        await asyncio.sleep(0.01)
+        if self.fail:
+            raise RuntimeError("worker died")
+        self.calls.append(("call answered", method))
+        return [{"ok": True}]
+
+
+def _paused_call(eng: _Engine, partial: str, recompute_kv: bool = True) -> tuple:
+    async def run() -> tuple:
+        return await asyncio.wait_for(vla.paused_call(eng, partial, recompute_kv, "relay_receive"), 5)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(("partial", "mode"), [("keep", "keep"), ("resubmit", "abort")])
+def test_paused_call_sends_the_load_behind_the_pause(partial: str, mode: str) -> None:
+    """keep and resubmit stop every step at once: the load goes out right behind the pause, before its answer
+    (which waits for the step in flight); the pause still finishes, its preemption included, before return."""
+    eng = _LoadingEngine(in_flight=True)
+    res, pause_s, call_s = _paused_call(eng, partial)
+    assert res == [{"ok": True}]
+    sent = [c for c in eng.calls if c[0] in ("pause sent", "call sent")]
+    assert sent == [("pause sent", mode), ("call sent", "relay_receive")]
+    assert eng.calls.index(("call sent", "relay_receive")) < eng.calls.index(("pause answered", mode))
+    if partial == "keep":  # the frozen requests are preempted after the pause's answer, before return
+        assert eng.calls.index(_PREEMPT) > eng.calls.index(("pause answered", mode))
+    assert pause_s > 0 and call_s >= 0.01  # the call took its 10 ms
+
+
+def test_paused_call_off_waits_for_the_pause() -> None:
+    """off lets running requests step until they finish: the load goes only after the pause's answer."""
+    eng = _LoadingEngine(in_flight=False)
+    eng.step_done.set()  # nothing in flight: the pause answers at once
+    _, pause_s, call_s = _paused_call(eng, "off")
+    assert [c[0] for c in eng.calls] == ["pause sent", "pause answered", "call sent", "call answered"]
+    assert pause_s <= call_s
+
+
+def test_paused_call_finishes_the_pause_when_the_load_fails() -> None:
+    """A failed load still leaves the pause finished before the error comes out (the caller then resumes)."""
+    eng = _LoadingEngine(in_flight=True, fail=True)
+    with pytest.raises(RuntimeError, match="worker died"):
+        _paused_call(eng, "keep")
+    assert ("pause answered", "keep") in eng.calls and eng.calls[-1] == _PREEMPT
+
+
 class _Sampler:
     """An engine that records the SamplingParams of each request and answers one two-token completion."""
 

@@ -463,6 +463,46 @@ async def pause(engine: Any, partial: str = "keep", recompute_kv: bool = True) -
         book.pending = partial == "keep"
 
 
+# pause modes after whose message the engine core runs no further step: keep freezes every request, abort ends
+# them (wait lets the running ones step on, so its load must wait for the pause's answer)
+STOP_AT_ONCE = ("keep", "resubmit")
+
+
+async def paused_call(
+    engine: Any, partial: str, recompute_kv: bool, method: str, **kwargs: Any
+) -> tuple[list[Any], float, float]:
+    """Pause generation (`pause`) and run `method` in every worker (a weight load); return its results and the
+    seconds from the start to the pause's answer and to the call's.
+
+    Where the pause stops every step at once (`STOP_AT_ONCE`) and goes to the engine core directly, the call
+    goes out right behind it instead of after its answer. The engine core takes its input in order, in one
+    thread, and runs no step once it took such a pause, so no step falls between the pause and the load; a
+    step still in flight ran its kernels on the stream the workers then queue their loads on, so the loads
+    come after it on the device. The workers post their receives at once, and the bytes flow while that
+    step ends, where the pause's answer waits for it (under load, most of the pause). Otherwise: pause,
+    then call. Either way the pause has finished (its cache reset and version book included) on return."""
+    t0 = time.perf_counter()
+    if partial not in STOP_AT_ONCE or not hasattr(
+        getattr(engine, "engine_core", None), "pause_scheduler_async"
+    ):
+        await pause(engine, partial, recompute_kv)
+        t1 = time.perf_counter()
+        return await rpc(engine, method, **kwargs), t1 - t0, time.perf_counter() - t0
+
+    async def timed_pause() -> float:
+        await pause(engine, partial, recompute_kv)
+        return time.perf_counter()
+
+    task = asyncio.ensure_future(timed_pause())
+    await asyncio.sleep(0)  # the pause's first step sends its message: the call's goes out behind it
+    try:
+        res = await rpc(engine, method, **kwargs)
+        called = time.perf_counter() - t0
+    finally:
+        paused = await asyncio.shield(task)  # the pause finishes before anything resumes the engine
+    return res, paused - t0, called
+
+
 def _prefix_caching(engine: Any) -> bool:
     """Whether the engine keeps a prefix cache (unknown: assume it does, the safe answer)."""
     cache = getattr(getattr(engine, "vllm_config", None), "cache_config", None)
