@@ -29,7 +29,10 @@ Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one
 
 On each replica a push is: pause generation -> flush (vLLM's pause returns once the engine is quiet; with
 `rollout.partial=keep` requests freeze and continue after resume) -> receive every bucket -> load it ->
-set the weight version -> resume -> acknowledge (version, checksums). With `sync.staged_receive` the workers
+set the weight version -> resume -> acknowledge (version, checksums). Where the pause stops every step at once
+(keep, resubmit) the receive goes to the engine core right behind the pause, not after its answer
+(app/vllm/engine.py `paused_call`: the core takes both in order and runs no step between them, and the loads
+queue on the stream of any step still in flight). With `sync.staged_receive` the workers
 first receive every bucket in a thread while generation goes on (app/weights/staging.py), and the pause covers
 only their copy of the staged tensors into the model.
 
