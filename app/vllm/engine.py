@@ -478,9 +478,10 @@ async def paused_call(
     goes out right behind it instead of after its answer. The engine core takes its input in order, in one
     thread, and runs no step once it took such a pause, so no step falls between the pause and the load; a
     step still in flight ran its kernels on the stream the workers then queue their loads on, so the loads
-    come after it on the device. The workers post their receives at once, and the bytes flow while that
-    step ends, where the pause's answer waits for it (under load, most of the pause). Otherwise: pause,
-    then call. Either way the pause has finished (its cache reset and version book included) on return."""
+    come after it on the device (so do the receives: NCCL's stream waits for the work queued before it). The
+    workers post their receives while that step ends, and they start on the device as soon as it ended,
+    where before the pause's answer (which waits for it) and the call's dispatch came first. Otherwise:
+    pause, then call. Either way the pause has finished (its cache reset and version book included) on return."""
     t0 = time.perf_counter()
     if partial not in STOP_AT_ONCE or not hasattr(
         getattr(engine, "engine_core", None), "pause_scheduler_async"
