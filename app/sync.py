@@ -893,11 +893,19 @@ class ReplicaSync:
                 res, ph["pause_s"], ph["receive_s"] = await vla.paused_call(
                     self.engine, self.partial, self.recompute_kv, method, timeout=None, **kw
                 )
-            finally:
-                t3 = time.perf_counter()
-                await self._set_version(plan.version)
-                t4 = time.perf_counter()
-                await vla.resume(self.engine)
-                t5 = time.perf_counter()
-        ph.update(drain_s=t1 - t0, version_s=t4 - t3, resume_s=t5 - t4, held_s=t5 - t1)
+            except vla.PauseFailed:
+                raise  # nothing went to the workers: the engine keeps its weights and its version
+            except BaseException:
+                await self._unpause(plan.version)  # the load went out and may have changed the weights
+                raise
+            ph["version_s"], ph["resume_s"] = await self._unpause(plan.version)
+            ph.update(drain_s=t1 - t0, held_s=time.perf_counter() - t1)
         return res
+
+    async def _unpause(self, version: int) -> tuple[float, float]:
+        """After a load: label what is sampled from now on with `version`, resume; the two phases' seconds."""
+        t0 = time.perf_counter()
+        await self._set_version(version)
+        t1 = time.perf_counter()
+        await vla.resume(self.engine)
+        return t1 - t0, time.perf_counter() - t1

@@ -146,6 +146,35 @@ def test_paused_call_finishes_the_pause_when_the_load_fails() -> None:
     assert ("pause answered", "keep") in eng.calls and eng.calls[-1] == _PREEMPT
 
 
+class _BrokenPause(_Engine):
+    """An engine core whose pause fails; the workers' call is logged if it is ever sent."""
+
+    def __init__(self) -> None:
+        super().__init__(in_flight=False)
+
+        class Core:
+            async def pause_scheduler_async(core, mode: str, clear_cache: bool) -> None:
+                raise RuntimeError("engine core gone")
+
+        self.engine_core = Core()
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, kwargs: Any = None) -> list:
+        self.calls.append(("call sent", method))
+        return [{"ok": True}]
+
+
+def test_paused_call_names_a_pause_that_failed_before_any_load() -> None:
+    """A failed pause before the call (off) is `PauseFailed`, nothing sent to the workers (the replica then keeps
+    its version); where the call went out behind it (keep), the failure is the pause's own error."""
+    eng = _BrokenPause()
+    with pytest.raises(vla.PauseFailed, match="engine core gone"):
+        _paused_call(eng, "off")
+    assert eng.calls == []
+    with pytest.raises(RuntimeError, match="engine core gone") as err:
+        _paused_call(eng, "keep")
+    assert not isinstance(err.value, vla.PauseFailed) and eng.calls == [("call sent", "relay_receive")]
+
+
 class _Sampler:
     """An engine that records the SamplingParams of each request and answers one two-token completion."""
 

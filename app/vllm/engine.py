@@ -28,6 +28,10 @@ class EngineCapabilityError(RuntimeError):
     """The vLLM engine lacks something the configuration needs; the message names it and the fix."""
 
 
+class PauseFailed(RuntimeError):
+    """`paused_call`'s pause failed before anything went to the workers: the engine holds its weights."""
+
+
 PAUSE_MODES = {"keep": "keep", "resubmit": "abort", "off": "wait"}  # rollout.partial -> vLLM pause mode
 
 
@@ -481,12 +485,16 @@ async def paused_call(
     come after it on the device (so do the receives: NCCL's stream waits for the work queued before it). The
     workers post their receives while that step ends, and they start on the device as soon as it ended,
     where before the pause's answer (which waits for it) and the call's dispatch came first. Otherwise:
-    pause, then call. Either way the pause has finished (its cache reset and version book included) on return."""
+    pause, then call (`PauseFailed` where that pause fails). Either way the pause has finished (its cache reset
+    and version book included) on return."""
     t0 = time.perf_counter()
     if partial not in STOP_AT_ONCE or not hasattr(
         getattr(engine, "engine_core", None), "pause_scheduler_async"
     ):
-        await pause(engine, partial, recompute_kv)
+        try:
+            await pause(engine, partial, recompute_kv)
+        except Exception as e:
+            raise PauseFailed(str(e)) from e
         t1 = time.perf_counter()
         return await rpc(engine, method, **kwargs), t1 - t0, time.perf_counter() - t0
 
