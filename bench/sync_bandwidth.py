@@ -173,7 +173,10 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
         # the receiver loads as a replica's worker does (app/vllm/fast_load.py): one batched copy per bucket,
         # queued on the device, so the receive never waits on the host for a bucket
         shapes = {n: tuple(s) for n, s, _ in specs}
-        load = SlotLoader(state, plan_slots(shapes, shapes, {}) or {})
+        slots = plan_slots(shapes, shapes, {})
+        if slots is None:
+            raise RuntimeError(f"{size}: SlotLoader cannot place the stand-in's own tensors")
+        load = SlotLoader(state, slots)
 
         for var in args["variants"]:
             with variant(var, dev):

@@ -4,8 +4,8 @@ Rank 0 checksums a bucket while it is in flight; receivers checksum and load buc
 flight. Neither end's host waits for a bucket on NCCL: each end orders its stream after the broadcasts
 (`StatelessGroup.follow`) and waits, under the deadline, only for the last one, so the next broadcast is always
 posted on both ends and the link never idles for a host's reaction between buckets. `send_buckets` (rank 0's
-`_BroadcastSender` on the shared walk, `buckets.walk_buckets`) and `receive_buckets` are the two ends; `start` (one broadcast per bucket here) is the only part a variant of this
-transport needs to change.
+`_BroadcastSender` on the shared walk, `buckets.walk_buckets`) and `receive_buckets` are the two ends; `start`
+(one broadcast per bucket here) is the only part a variant of this transport needs to change.
 """
 
 from __future__ import annotations
