@@ -86,7 +86,7 @@ from app.infra.ray_compat import current_actor
 from app.trainer.comm import bcast, first_error
 from app.vllm import engine as vla
 from app.vllm.adapters import Adapter, AdapterBook
-from app.weights.ack_board import AckPoster, collect
+from app.weights.ack_board import AckPoster, agreed_checksums, collect, collect_keys, replica_acks, worker_key
 from app.weights.buckets import plan_buckets
 from app.weights.group import free_port, resolve_backend
 from app.weights.hub import check_acks
@@ -138,6 +138,11 @@ class TrainerSync:
         self.epoch: int | None = None  # that epoch's number
         self.replicas: list[str] = []  # that epoch's replicas, whose acknowledgements a push waits for
         self.store_acks = False  # whether every one of them reached the epoch's store at its join
+        # replica id -> the weight-group ranks of its workers, where every worker answers into the store itself
+        self.worker_ranks: dict[str, list[int]] = {}
+        # the last push the workers acknowledged: its stats and the hub's answer still to come, which holds
+        # each replica's own phases (`settle`)
+        self._late: tuple[PushStats, Any] | None = None
         self.backend = resolve_backend(cfg.sync.backend, device)
         # the trainer ranks that send: rank 0 alone, or every rank where the transport sends from each rank to
         # the replicas on its own GPU (CUDA IPC with a trainer rank and a replica on every GPU)
@@ -289,7 +294,7 @@ class TrainerSync:
         import ray
 
         s = self.cfg.sync
-        self.store_acks = False
+        self.store_acks, self.worker_ranks = False, {}
         if err is not None:  # someone did not join: find out who, drop them, form again
             acks: Acks = ray.get(self.hub.wait_acks.remote("join", info.epoch, 1.0))
             train_log.warning("epoch %d did not form (%s); dropping %s", info.epoch, err, acks.missing)
@@ -302,6 +307,10 @@ class TrainerSync:
             return None, f"{e}"
         # a replica that could not reach the store acknowledges through the hub alone: then wait there
         self.store_acks = all(bool(a.detail.get("store")) for a in acks.got.values())
+        if self.store_acks and all(a.detail.get("worker_acks") for a in acks.got.values()):
+            self.worker_ranks = {
+                rid: [int(w["rank"]) for w in a.detail["workers"]] for rid, a in acks.got.items()
+            }
         return None, None
 
     def _announce(self, plan: Any, deadline: float) -> tuple[float, float]:
@@ -360,6 +369,8 @@ class TrainerSync:
         try:
             check_acks(acks, stats.checksums if s.verify and not err else None, s.timeout_s)
             stats.extra = {rid: a.as_dict() for rid, a in acks.got.items()}
+            if stats.acked_via == "workers":  # each replica's own answer (its phases) comes after: `settle`
+                self._late = (stats, pending)
         except SyncError as e:
             err = f"{err + '; ' if err else ''}{e}"
             ray.get(self.hub.drop.remote(acks.missing + acks.failed))
@@ -367,25 +378,63 @@ class TrainerSync:
 
     def _acks(self, version: int, pending: Any, err: str | None) -> tuple[Acks, str]:
         """Rank 0: every replica's answer to push `version`. After a walk without failure they come through
-        the weight group's store (app/weights/ack_board.py: no Ray call on the way); the hub's answer
-        (`pending`) where the store has not every answer by the deadline, where the hub answers first (a
-        replica dropped), or after a failed walk. Returns them and where they came from."""
+        the weight group's store (app/weights/ack_board.py: no Ray call on the way), from each worker where
+        every worker answers there ("workers"), else from each replica ("store"); the hub's answer (`pending`)
+        where the store has not every answer by the deadline, where the hub answers first (a replica dropped),
+        or after a failed walk. Returns them and where they came from."""
         import ray
 
         s = self.cfg.sync
         store = getattr(getattr(self.transport, "group", None), "store", None)
         if err is None and store is not None and self.store_acks and self.replicas and self.epoch is not None:
-            got = collect(
-                store,
-                self.epoch,
-                version,
-                self.replicas,
-                time.monotonic() + s.timeout_s,
-                lambda: bool(ray.wait([pending], timeout=0)[0]),
-            )
-            if got is not None:
-                return Acks(kind="push", key=version, got=got), "store"
+            deadline = time.monotonic() + s.timeout_s
+            hub_answered = lambda: bool(ray.wait([pending], timeout=0)[0])  # noqa: E731
+            if self.worker_ranks:
+                keys = {
+                    r: worker_key(self.epoch, version, r) for rs in self.worker_ranks.values() for r in rs
+                }
+                answers = collect_keys(store, keys, version, deadline, hub_answered)
+                if answers is not None:
+                    got = replica_acks(self.worker_ranks, answers, version)
+                    return Acks(kind="push", key=version, got=got), "workers"
+            else:
+                got = collect(store, self.epoch, version, self.replicas, deadline, hub_answered)
+                if got is not None:
+                    return Acks(kind="push", key=version, got=got), "store"
         return ray.get(pending, timeout=s.timeout_s + 30), "hub"
+
+    def settle(self, timeout_s: float = 5.0, last_call: bool = False) -> None:
+        """Rank 0, after a push its replicas' workers acknowledged: each replica's own answer from the hub,
+        which follows within milliseconds (the version set, generation resumed, every phase) into the push's
+        stats (`sync/replica/*`), then its log line. A replica that failed after its workers' answers (its
+        engine died before the resume) is dropped, so the next push forms the group again without it. Where
+        the answer is not there within `timeout_s` it stays pending, unless `last_call` (the next push)."""
+        import ray
+
+        if self._late is None:
+            return
+        stats, pending = self._late
+        if not ray.wait([pending], timeout=timeout_s)[0] and not last_call:
+            return
+        self._late = None
+        try:
+            acks: Acks = ray.get(pending, timeout=0.1)
+        except Exception as e:
+            train_log.warning("push v%d: the replicas' own answers did not come (%r)", stats.version, e)
+            train_log.info("%s", stats.summary())
+            return
+        for rid, a in acks.got.items():
+            stats.extra[rid] = {**stats.extra.get(rid, {}), **a.as_dict()}
+        bad = acks.missing + acks.failed
+        if bad:
+            train_log.warning(
+                "push v%d: replica(s) %s failed after their workers acknowledged it (%s); dropping them",
+                stats.version,
+                bad,
+                "; ".join(f"{r}: {acks.got[r].error}" for r in acks.failed) or "no answer",
+            )
+            ray.get(self.hub.drop.remote(bad), timeout=30)
+        train_log.info("%s", stats.summary())
 
     def _plan(self, version: int, bucket_bytes: int) -> PushPlan:
         """This push's plan: the last push's buckets with the new version while the pushed tensors and the
@@ -401,6 +450,8 @@ class TrainerSync:
         (`_budget_s`); every try ends in a collective, so all ranks agree on when to stop."""
 
         s = self.cfg.sync
+        if self.rank == 0:
+            self.settle(s.timeout_s, last_call=True)  # the previous push's replica answers, if still pending
         mb = float(getattr(s, getattr(self.walker, "bucket_setting", "bucket_mb"), s.bucket_mb))
         plan = self._plan(version, int(mb * 2**20))
         t_start = time.perf_counter()
@@ -424,7 +475,7 @@ class TrainerSync:
                 stats.group_s, stats.announce_s, stats.failures = group_s, announce_s, failures
                 stats.wall_s = time.perf_counter() - t_start
                 self.last = stats
-                if self.rank == 0:
+                if self.rank == 0 and self._late is None:  # else logged by `settle`, with the replica phases
                     train_log.info("%s", stats.summary())
                 return stats
             train_log.warning("push of version %d failed (try %d): %s", version, tries, err)
@@ -493,21 +544,6 @@ class GenerationGate:
             self._open.set()
 
 
-def agreed_checksums(results: list[dict[str, Any]], replica_id: str, version: int) -> list[str]:
-    """The per-bucket checksums every worker of a replica received (tensor-parallel workers each receive the
-    whole push); a worker that received other bytes fails the push, naming it and the buckets."""
-    first = list(results[0]["checksums"])
-    for rank, r in enumerate(results[1:], start=1):
-        got = list(r["checksums"])
-        if got != first:
-            bad = [i for i in range(max(len(got), len(first))) if got[i : i + 1] != first[i : i + 1]]
-            raise RuntimeError(
-                f"replica {replica_id}: worker {rank} received other bytes than worker 0 for version {version} "
-                f"(buckets {bad[:4]})"
-            )
-    return first
-
-
 POSTER_CONNECT_S = 2.0  # a replica's connection to the epoch's store for its acknowledgements, at most
 
 
@@ -553,6 +589,7 @@ class ReplicaSync:
         self.admitted = asyncio.Event()
         self.verified = False  # a push of the trainer's weights acknowledged (its first one carries join_s)
         self.poster: AckPoster | None = None  # this epoch's acknowledgements into the trainer's store
+        self.worker_ranks: list[int] = []  # where the workers acknowledge into it themselves: their ranks
         self.last_error: str | None = None
         self.dead: str | None = None  # why this replica can never serve again (its engine died)
         self.lock = asyncio.Lock()  # a weight load and an abort never overlap
@@ -720,7 +757,11 @@ class ReplicaSync:
             )
             self.epoch, self.group_timeout_s = g.epoch, g.timeout_s
             self.poster = await self._poster(g)
-            detail = {"workers": res, "store": self.poster is not None}  # acknowledges pushes into the store
+            # pushes are acknowledged into the store: by the workers themselves where each can (not LoRA: the
+            # engine adds the adapter after them), else by this replica
+            by_workers = self.poster is not None and not self.lora and all(w.get("store") for w in res)
+            self.worker_ranks = [int(w["rank"]) for w in res] if by_workers else []
+            detail = {"workers": res, "store": self.poster is not None, "worker_acks": by_workers}
             await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail=detail))
         except Exception as e:
             self.last_error = f"join of epoch {g.epoch} failed: {e}"
@@ -748,16 +789,21 @@ class ReplicaSync:
             )
             return None
 
-    async def _post(self, version: int, ack: Ack) -> None:
-        """Acknowledge into the trainer's store (app/weights/ack_board.py) before the hub; a failure is logged
-        and leaves the hub alone for the rest of the epoch."""
+    async def _post(self, version: int, ack: Ack, res: list[dict[str, Any]] | None) -> None:
+        """Acknowledge into the trainer's store (app/weights/ack_board.py) before the hub: where the workers
+        answer there themselves, only what they did not post (every worker's failure where the load failed
+        before their answers, a post that failed); a failure is logged and leaves the hub alone for the rest
+        of the epoch."""
         poster = self.poster
         if poster is None or poster.epoch != self.epoch:
             return
+        post: Any = functools.partial(poster.post, version, self.replica_id, ack)
+        if self.worker_ranks:
+            if res is not None and all(r.get("posted") for r in res):
+                return  # the trainer has every answer already
+            post = functools.partial(poster.post_workers, version, self.worker_ranks, ack, res)
         try:
-            await asyncio.wait_for(
-                asyncio.to_thread(poster.post, version, self.replica_id, ack), timeout=self.group_timeout_s
-            )
+            await asyncio.wait_for(asyncio.to_thread(post), timeout=self.group_timeout_s)
         except Exception as e:
             self.poster = None
             log.warning(
@@ -779,6 +825,7 @@ class ReplicaSync:
         """Receive and load the push (`self._load`: `_load_weights`, `_load_staged`, or `_load_adapter` with
         LoRA), acknowledge with the checksums and each phase's seconds (see those)."""
         ph: dict[str, float] = {"wake_s": max(0.0, time.time() - announced_at) if announced_at else 0.0}
+        res = None
         try:
             res = await self._load(plan, ph)
             self.admitted.set()
@@ -799,7 +846,7 @@ class ReplicaSync:
             self.last_error = f"receive of version {plan.version} failed: {e}"
             log.warning("replica %s: %s", self.replica_id, self.last_error)
             ack = Ack(ok=False, error=str(e))
-        await self._post(plan.version, ack)  # the trainer's short way (app/weights/ack_board.py)
+        await self._post(plan.version, ack, res)  # the trainer's short way (app/weights/ack_board.py)
         with contextlib.suppress(Exception):
             await self.hub.ack.remote(self.replica_id, "push", plan.version, ack)
         if not ack.ok:
@@ -872,11 +919,19 @@ class ReplicaSync:
             )
             await notices.wait(self.group_timeout_s + 5, what)
         ph["stage_s"] = time.perf_counter() - t0
-        return await self._paused(plan, ph, "relay_swap", timeout_s=self.group_timeout_s)
+        return await self._paused(
+            plan, ph, "relay_swap", timeout_s=self.group_timeout_s, ack_epoch=self._ack_epoch()
+        )
 
     async def _load_weights(self, plan: PushPlan, ph: dict[str, float]) -> list[dict[str, Any]]:
         """The paused receive: the workers receive and load the whole push while generation is paused."""
-        return await self._paused(plan, ph, "relay_receive", plan_json=plan_to_json(plan))
+        return await self._paused(
+            plan, ph, "relay_receive", plan_json=plan_to_json(plan), ack_epoch=self._ack_epoch()
+        )
+
+    def _ack_epoch(self) -> int | None:
+        """The epoch whose store the workers answer a push into themselves (None: this replica does)."""
+        return self.epoch if self.worker_ranks and self.poster is not None else None
 
     async def _paused(
         self, plan: PushPlan, ph: dict[str, float], method: str, **kw: Any

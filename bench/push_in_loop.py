@@ -49,11 +49,19 @@ def push_loop(config: dict[str, Any]) -> None:
     learner = Learner(cfg, config["model_path"], dev)
     sync = TrainerSync(cfg, learner, ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE), dev)
     pushes = int(config["pushes"])
-    records = [sync.push(v).record() for v in range(pushes + 1)]
+    records = [settled(sync, sync.push(v)).record() for v in range(pushes + 1)]
     loaded = [push_under_load(sync, cfg, v) for v in range(pushes + 1, pushes + 1 + int(config["loaded"]))]
     if learner.rank == 0:
         rep = {"transport": sync.transport_name, "pushes": records, "loaded": loaded}
         Path(config["out"]).write_text(json.dumps(rep))
+
+
+def settled(sync: Any, stats: Any) -> Any:
+    """The push's stats with its replicas' own phases, which follow the workers' acknowledgements (its time
+    is the push's as the trainer saw it)."""
+    if sync.rank == 0:
+        sync.settle(30.0)
+    return stats
 
 
 def push_under_load(sync: Any, cfg: Any, version: int) -> dict[str, Any]:
@@ -76,7 +84,7 @@ def push_under_load(sync: Any, cfg: Any, version: int) -> dict[str, Any]:
             raise TimeoutError("no generation was in flight within 60s")
         time.sleep(0.005)
     time.sleep(0.2)  # tokens flowing, not just admitted
-    rec = sync.push(version).record()
+    rec = settled(sync, sync.push(version)).record()
     versions = [s.versions for c in calls for s in c.result(timeout_s=300).samples]
     rec["spanning"] = sum(1 for vs in versions if len(set(vs)) > 1)
     rec["samples"] = len(versions)

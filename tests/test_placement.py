@@ -234,7 +234,7 @@ def test_tensor_parallel_placement_whole_gpus_or_refused():
 
 
 def test_tensor_parallel_workers_must_agree_on_what_they_received():
-    from app.sync import agreed_checksums
+    from app.weights.ack_board import agreed_checksums
 
     same = [{"checksums": ["a", "b"]}, {"checksums": ["a", "b"]}]
     assert agreed_checksums(same, "r1", 3) == ["a", "b"]

@@ -19,6 +19,7 @@ import torch
 from app.infra.log_filters import silence_vllm_reload_warnings
 from app.vllm.fast_load import SlotLoader, plan_slots
 from app.vllm.seeded_cpu import install as install_seeded_cpu_sampling
+from app.weights.ack_board import answered
 from app.weights.buckets import checksum
 from app.weights.records import dtype_of, group_from_json, plan_from_json
 from app.weights.transport import make_transport
@@ -55,10 +56,17 @@ class RelayWorkerExtension:
         transport = make_transport(info.transport)
         transport.join(info, rank, self._relay_device())
         self._relay_transport = transport
-        return {"rank": rank, "join_s": time.perf_counter() - t0}
+        # whether this worker can answer pushes into the epoch's store itself (`relay_receive`'s ack_epoch)
+        store = getattr(getattr(transport, "group", None), "store", None) is not None
+        return {"rank": rank, "join_s": time.perf_counter() - t0, "store": store}
 
     def relay_receive(
-        self, plan_json: str, load: str | None = None, adapter_dir: str | None = None, adapter_json: str = ""
+        self,
+        plan_json: str,
+        load: str | None = None,
+        adapter_dir: str | None = None,
+        adapter_json: str = "",
+        ack_epoch: int | None = None,
     ) -> dict[str, Any]:
         """Receive and load one push; returns the per-bucket checksums, timings and how it loaded.
 
@@ -70,17 +78,32 @@ class RelayWorkerExtension:
         `load_weights`.
 
         `adapter_dir` (LoRA): the pushed tensors are a LoRA adapter (`adapter_json`: its LoraSpec); they are
-        written to that folder in PEFT format (`receive_adapter`) and the model is left as it is."""
+        written to that folder in PEFT format (`receive_adapter`) and the model is left as it is.
+
+        `ack_epoch`: also answer the trainer straight into that epoch's store (`_relay_answered`)."""
         transport = self._relay_joined("relay_receive")
         plan = plan_from_json(plan_json)
         if adapter_dir is not None:
             return self._relay_receive_adapter(transport, plan, adapter_dir, adapter_json)
-        model = self.get_model()
-        load, loader = self._relay_loader(model, plan, load)
-        t0 = time.perf_counter()
-        with self._relay_reload(model, load == "layerwise"):
-            checksums, timing = transport.receive(plan, loader, self._relay_device())
-        return {"checksums": checksums, **timing, "load": load, "receive_s": time.perf_counter() - t0}
+
+        def receive() -> dict[str, Any]:
+            model = self.get_model()
+            how, loader = self._relay_loader(model, plan, load)
+            t0 = time.perf_counter()
+            with self._relay_reload(model, how == "layerwise"):
+                checksums, timing = transport.receive(plan, loader, self._relay_device())
+            return {"checksums": checksums, **timing, "load": how, "receive_s": time.perf_counter() - t0}
+
+        return self._relay_answered(transport, plan.version, ack_epoch, receive)
+
+    def _relay_answered(
+        self, transport: Any, version: int, ack_epoch: int | None, receive: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Run `receive` (a load of push `version`); with `ack_epoch`, this worker also answers the trainer
+        straight into that epoch's store the moment the load is done (`ack_board.answered`)."""
+        if ack_epoch is None:
+            return receive()
+        return answered(transport.group.store, transport.group.rank, ack_epoch, version, receive)
 
     def relay_stage(self, plan_json: str, notify: str) -> dict[str, Any]:
         """Start receiving one push in a thread into this worker's staging buffers (`app/weights/staging.py`) and
@@ -97,19 +120,24 @@ class RelayWorkerExtension:
         self._relay_stage.start(notify)
         return {"staging": True}
 
-    def relay_swap(self, timeout_s: float = 60.0) -> dict[str, Any]:
+    def relay_swap(self, timeout_s: float = 60.0, ack_epoch: int | None = None) -> dict[str, Any]:
         """Load the staged push into the model (generation is paused by the caller); returns what
-        `relay_receive` returns: the received buckets' checksums, timings (`load_s`: this copy) and the load."""
+        `relay_receive` returns: the received buckets' checksums, timings (`load_s`: this copy) and the load;
+        `ack_epoch` as there."""
         stage = getattr(self, "_relay_stage", None)
         if stage is None:
             raise RuntimeError("relay_swap without a staged push (relay_stage first)")
         self._relay_stage = None
-        model = self.get_model()
-        load, loader = self._relay_loader(model, stage.plan, None)
-        t0 = time.perf_counter()
-        with self._relay_reload(model, load == "layerwise"):
-            res = stage.load(loader, timeout_s)
-        return {**res, "load": f"staged {load}", "receive_s": time.perf_counter() - t0}
+
+        def swap() -> dict[str, Any]:
+            model = self.get_model()
+            load, loader = self._relay_loader(model, stage.plan, None)
+            t0 = time.perf_counter()
+            with self._relay_reload(model, load == "layerwise"):
+                res = stage.load(loader, timeout_s)
+            return {**res, "load": f"staged {load}", "receive_s": time.perf_counter() - t0}
+
+        return self._relay_answered(self._relay_joined("relay_swap"), stage.plan.version, ack_epoch, swap)
 
     def _relay_joined(self, method: str) -> Any:
         """This worker's end of the weight group's transport; raises where `method` came before a join."""

@@ -111,7 +111,7 @@ def test_every_push_is_acknowledged_by_every_replica(report):
     assert [p["version"] for p in pushes] == list(range(len(pushes)))
     for p in pushes:
         # checksums verified by the trainer (sync.verify); a tensor-parallel replica's workers each received
-        # the whole push and agreed on its checksums (app/sync.py agreed_checksums)
+        # the whole push and agreed on its checksums (app/weights/ack_board.py agreed_checksums)
         assert not p["failures"] and len(p["replicas"]) == report["replicas"], p
     members = report["hub"]["members"]
     assert sorted(m["workers"] for m in members.values()) == [LAYOUTS[report["layout"]]] * report["replicas"]

@@ -27,7 +27,7 @@ def logprob_loop(config: dict[str, Any]) -> None:
     learner = Learner(cfg, config["model_path"], dev)
     sync = TrainerSync(cfg, learner, ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE), dev)
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
-    sync.push(0)
+    _push(sync, 0)
     batch = None
     if learner.rank == 0:
         batch = ray.get(
@@ -45,6 +45,9 @@ def logprob_loop(config: dict[str, Any]) -> None:
     )
     learner.step(batch)
     push = sync.push(1)
+    at_return = {rid: dict(x) for rid, x in push.extra.items()}  # the workers' answers, as the push returned
+    if learner.rank == 0:
+        sync.settle(30.0)  # then each replica's own (version set, resumed, its phases)
     after = learner.logprobs_of(prompt, completion)
     if learner.rank == 0:
         vllm_after = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
@@ -60,6 +63,7 @@ def logprob_loop(config: dict[str, Any]) -> None:
             "push": {"total_s": push.total_s, "transfer_s": push.transfer_s, "ack_s": push.ack_s},
             "acked_via": push.acked_via,
             "acks": push.extra,
+            "acks_at_return": at_return,
             "push_checksums": push.checksums,
             "transport": sync.transport_name,
             "token_versions": [s.versions for s in g.samples],
@@ -114,6 +118,15 @@ def _until(what: str, fn: Any, timeout_s: float) -> Any:
         time.sleep(0.005)
 
 
+def _push(sync: Any, version: int) -> Any:
+    """A push, then (rank 0) its replicas' own answers, which follow their workers' acknowledgements and
+    carry each replica's phases (`TrainerSync.settle`)."""
+    stats = sync.push(version)
+    if sync.rank == 0:
+        sync.settle(30.0)
+    return stats
+
+
 def _push_mid_generation(sync: Any, handle: Any, version: int, cfg: Any) -> dict[str, Any]:
     """Long generations in flight, then a push (keep mode): their tokens must carry both versions."""
     from app.records import GenerateRequest
@@ -123,7 +136,7 @@ def _push_mid_generation(sync: Any, handle: Any, version: int, cfg: Any) -> dict
     )
     calls = [handle.generate.remote(req) for _ in range(8)]
     _until("a generation in flight", lambda: handle.info.remote().result(timeout_s=30)["ongoing"] > 0, 60)
-    stats = sync.push(version)
+    stats = _push(sync, version)
     outs = [c.result(timeout_s=120) for c in calls]
     versions = [s.versions for o in outs for s in o.samples]
     return {"push": stats.record(), "versions": versions}
@@ -147,7 +160,7 @@ def _push_through_engine_kill(sync: Any, hub: Any, handle: Any, version: int) ->
 
     def push() -> None:
         try:
-            box["stats"] = sync.push(version)
+            box["stats"] = _push(sync, version)
         except Exception as e:  # recorded: the test asserts what it says
             box["error"] = repr(e)
 
@@ -195,7 +208,7 @@ def disagg_loop(config: dict[str, Any]) -> None:
     sync = TrainerSync(cfg, learner, hub, dev)
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
     out: dict[str, Any] = {"transport": sync.transport_name, "backend": sync.backend, "pushes": []}
-    out["pushes"].append(sync.push(0).record())
+    out["pushes"].append(_push(sync, 0).record())
     out["exact_v0"] = _exact(learner, handle)
     rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
     batch = ray.get(rollouter.generate_batch.remote(4), timeout=120)
@@ -204,18 +217,18 @@ def disagg_loop(config: dict[str, Any]) -> None:
     out["trainer_before"] = learner.logprobs_of(prompt, completion)
     out["vllm_before"] = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
     learner.step(batch)
-    out["pushes"].append(sync.push(1).record())
+    out["pushes"].append(_push(sync, 1).record())
     out["exact_v1"] = _exact(learner, handle)
     out["trainer_after"] = learner.logprobs_of(prompt, completion)
     out["vllm_after"] = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
     for v in range(2, 2 + int(config.get("timed_pushes", 8))):  # back to back: the push alone
-        out["pushes"].append(sync.push(v).record())
+        out["pushes"].append(_push(sync, v).record())
     v = 2 + int(config.get("timed_pushes", 8))
     out["keep"] = _push_mid_generation(sync, handle, v, cfg)
     if config.get("kill", True):
         out["kill"] = _push_through_engine_kill(sync, hub, handle, v + 1)
     if out.get("kill", {}).get("push") is not None:
-        out["after_kill"] = sync.push(v + 2).record()
+        out["after_kill"] = _push(sync, v + 2).record()
         out["exact_after_kill"] = _exact(learner, handle)
     with open(config["out"], "w") as f:
         json.dump(out, f)
@@ -261,7 +274,7 @@ def colocated_loop(config: dict[str, Any]) -> None:
     hub = ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE)
     sync = TrainerSync(cfg, learner, hub, dev)
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
-    pushes = [sync.push(0).record()]
+    pushes = [_push(sync, 0).record()]
     batch = None
     if learner.rank == 0:
         rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
@@ -271,11 +284,11 @@ def colocated_loop(config: dict[str, Any]) -> None:
     prompt, completion = g.prompt_ids, g.samples[0].token_ids
     before = learner.logprobs_of(prompt, completion)
     learner.step(batch)
-    pushes.append(sync.push(1).record())
+    pushes.append(_push(sync, 1).record())
     after = learner.logprobs_of(prompt, completion)
     mine = _trainer_checksums(learner)
     for v in range(2, 2 + int(config.get("timed_pushes", 8))):  # back to back: the push alone
-        pushes.append(sync.push(v).record())
+        pushes.append(_push(sync, v).record())
     if learner.rank != 0:
         return
     n = int(cfg.rollout.max_replicas)

@@ -69,8 +69,13 @@ def test_trainer_and_vllm_logprobs_match_after_step_and_push(rollout_stack, tmp_
     assert moved > 1e-3  # ... which did change
     assert r["replica_version"] == 1 and r["vllm_after"]["version"] == 1
     assert all(v == 0 for vs in r["token_versions"] for v in vs)  # sampled by the pushed v0
-    # the replicas' answers came the short way, through the weight group's store, whole: checksums and phases
-    assert r["acked_via"] == "store" and r["acks"], r
+    # the answers came the short way: each vLLM worker's into the weight group's store, with the checksums
+    # it received, before the replica's reply; then each replica's own, with its phases, through the hub
+    assert r["acked_via"] == "workers" and r["acks_at_return"], r
+    assert all(
+        a["checksums"] == r["push_checksums"] and a["by"] == "workers" and a["worker_s"] > 0
+        for a in r["acks_at_return"].values()
+    ), r
     assert all(a["checksums"] == r["push_checksums"] and a["held_s"] > 0 for a in r["acks"].values())
 
 
