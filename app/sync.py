@@ -14,9 +14,12 @@ Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one
             (an FSDP2 collective) in lock-step; only rank 0 packs and broadcasts. Rank 0 keeps gathering
             even after a send failed, so the other ranks never wait in a gather rank 0 will not join.
          3. Each receiver receives bucket by bucket, checksums each flat buffer, and loads it into its
-            model; at the end it sets its weight version to v (every token it samples afterwards carries v)
-            and acknowledges (v, checksums): first into the epoch's TCPStore, which rank 0 hosts (the
-            trainer's short way back, app/weights/ack_board.py), then to the hub (membership, versions).
+            model, then acknowledges (v, checksums) into the epoch's TCPStore, which rank 0 hosts (the
+            trainer's short way back, app/weights/ack_board.py): each vLLM worker itself, the moment its
+            last bucket is loaded. Its replica then sets its weight version to v before generation resumes
+            (every token sampled afterwards carries v) and acknowledges to the hub (membership, versions,
+            its phases: `TrainerSync.settle`). With LoRA the replica answers into the store itself, after
+            the engine added the adapter.
          4. The push is complete only when every member acknowledged v with checksums equal to the
             trainer's, within `sync.timeout_s`; the hub's answer decides where the store has not every
             answer (a replica dropped, stuck or unable to reach the store). NCCL's own completion proves
@@ -29,7 +32,7 @@ Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one
 
 On each replica a push is: pause generation -> flush (vLLM's pause returns once the engine is quiet; with
 `rollout.partial=keep` requests freeze and continue after resume) -> receive every bucket -> load it ->
-set the weight version -> resume -> acknowledge (version, checksums). Where the pause stops every step at once
+(each worker answers the trainer) -> set the weight version -> resume -> acknowledge to the hub. Where the pause stops every step at once
 (keep, resubmit) the receive goes to the engine core right behind the pause, not after its answer
 (app/vllm/engine.py `paused_call`: the core takes both in order and runs no step between them, and the loads
 queue on the stream of any step still in flight). With `sync.staged_receive` the workers

@@ -66,6 +66,15 @@ def push_medians(tracking_uri: str, run_id: str) -> dict[str, float]:
     return out
 
 
+def step_ratios(results: dict[str, dict]) -> dict[str, float]:
+    """Each mode's speed against sync's by the median step: sync's median step over the mode's (every mode
+    trains batches of the same size, so steps per second compare as trained tokens per second do)."""
+    base = results.get("sync", {}).get("step_ms")
+    if not base or base != base:  # none, or NaN (no step recorded)
+        return {}
+    return {m: round(base / r["step_ms"], 3) for m, r in results.items() if r.get("step_ms")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=160)
@@ -181,6 +190,9 @@ def main() -> None:
         "overrides": args.overrides,
         "modes": results,
         "ratio_to_sync": {m: round(r["tokens_per_s"] / base, 3) for m, r in results.items()} if base else {},
+        # the same by the median step (sync's median step over each mode's): the steady state, which the
+        # whole loop's ratio reaches only over many steps (a short run is mostly its first steps)
+        "step_ratio_to_sync": step_ratios(results),
     }
     sys.stdout.write(json.dumps(summary) + "\n")
 
