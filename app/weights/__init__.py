@@ -9,6 +9,9 @@ otherwise; nothing here imports vLLM or Ray at import time.
     broadcast.py  the bucketed broadcast transport ("broadcast", the default)
     ipc.py        the CUDA-IPC transport ("ipc": trainer and replicas on one GPU; `sync.transport=auto`)
     hub.py        `WeightHub`: membership, epochs, announcements, acknowledgements (an async Ray actor)
+    ack_board.py  acknowledgements through the epoch's own TCPStore, each vLLM worker's as soon as it loaded
+                  (`answered`), made into each replica's (`replica_acks`): the trainer's short way back
+    staging.py    the staged receive: workers receive while the engine generates, then copy under the pause
     control.py    `RunControl`: clean stop, trainer heartbeat, abort of in-flight generations (a Ray actor)
     shared.py     what the hub and the run control share: waits for a change, calls to an actor or object
     actors.py     both as named Ray actors of one run (Ray)
