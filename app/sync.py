@@ -222,6 +222,7 @@ class TrainerSync:
                         self.cfg.sync.timeout_s,
                         self.transport_name,
                         self.senders,
+                        bool(getattr(self.cfg.sync, "nccl_high_priority", False)),
                     ),
                     timeout=self.cfg.sync.timeout_s,
                 )

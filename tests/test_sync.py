@@ -255,6 +255,29 @@ def test_hub_ranks_follow_the_senders():
     asyncio.run(scenario())
 
 
+def test_the_nccl_stream_priority_travels_with_the_epoch_to_every_member():
+    """`sync.nccl_high_priority` reaches each receiver in the epoch's GroupInfo (as JSON, as a vLLM worker gets
+    it); off unless asked for; a gloo group built from it is unaffected."""
+    from app.weights.group import StatelessGroup
+
+    async def scenario():
+        hub = WeightHub()
+        await hub.register("r1")
+        g = await hub.open_epoch("127.0.0.1", 1234, "nccl", 5.0, "broadcast", 1, True)
+        assert group_from_json(group_to_json(g)).high_priority is True
+        g = await hub.open_epoch("127.0.0.1", 1234, "nccl", 5.0)
+        assert group_from_json(group_to_json(g)).high_priority is False
+
+    asyncio.run(scenario())
+    group = StatelessGroup("127.0.0.1", free_port(), 0, 1, "gloo", 5.0, high_priority=True)
+    try:
+        t = torch.arange(4.0)
+        group.broadcast(t)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        group.close()
+
+
 def test_hub_join_push_ack_cycle():
     async def scenario():
         hub = WeightHub()

@@ -50,6 +50,14 @@ def post_worker_answer(store: Any, epoch: int, version: int, rank: int, answer: 
     store.set(worker_key(epoch, version, rank), pickle.dumps(answer))
 
 
+def loaded_answer(result: dict[str, Any]) -> dict[str, Any]:
+    """A worker's answer to a load that came back (`relay_receive`'s result): its checksums and timings."""
+    return {"ok": True, "checksums": result["checksums"], **{k: result.get(k, 0.0) for k in TIMINGS}}
+
+
+TIMINGS = ("transfer_s", "load_s", "receive_s")
+
+
 def answered(
     store: Any, rank: int, epoch: int, version: int, receive: Callable[[], dict[str, Any]]
 ) -> dict[str, Any]:
@@ -64,7 +72,7 @@ def answered(
         with contextlib.suppress(Exception):  # the error itself is what the caller sees
             post_worker_answer(store, epoch, version, rank, {"ok": False, "error": f"{e}"})
         raise
-    answer = {"ok": True, **{k: res[k] for k in ("checksums", "transfer_s", "load_s", "receive_s")}}
+    answer = loaded_answer(res)
     try:
         post_worker_answer(store, epoch, version, rank, answer)
     except Exception as e:
@@ -139,7 +147,7 @@ class AckPoster:
             if r is not None and r.get("posted"):
                 continue
             answer = (
-                {"ok": True, **{k: r.get(k, 0.0) for k in ("checksums", "transfer_s", "load_s", "receive_s")}}
+                loaded_answer(r)
                 if r is not None
                 else {"ok": False, "error": ack.error or "no answer from the worker"}
             )

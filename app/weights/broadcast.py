@@ -163,7 +163,15 @@ class BroadcastTransport:
     def _connect(self, info: GroupInfo, rank: int, device: torch.device | str) -> None:
         self.close()
         self.group = StatelessGroup(
-            info.host, info.port, rank, info.world, info.backend, info.timeout_s, info.epoch, device
+            info.host,
+            info.port,
+            rank,
+            info.world,
+            info.backend,
+            info.timeout_s,
+            info.epoch,
+            device,
+            high_priority=info.high_priority,
         )
 
     def send(self, plan: PushPlan, gather: Gather, device: torch.device | str) -> PushStats:

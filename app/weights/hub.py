@@ -179,6 +179,7 @@ class WeightHub:
         timeout_s: float,
         transport: str = "broadcast",
         senders: int = 1,
+        high_priority: bool = False,
     ) -> GroupInfo:
         """Assign ranks to the live members and announce a new epoch of the weight group (members whose
         actor died are dropped first). The trainer's `senders` ranks come first (0..senders-1)."""
@@ -198,6 +199,7 @@ class WeightHub:
             ranks=ranks,
             transport=transport,
             senders=senders,
+            high_priority=high_priority,
         )
         self.plan = None
         await self.changed.notify()
