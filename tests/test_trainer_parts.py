@@ -107,13 +107,23 @@ def test_run_state_round_trips_through_state_json():
 
 def test_push_policy_per_mode():
     cfg = SimpleNamespace(
-        train=SimpleNamespace(batch_groups=4), algorithm=SimpleNamespace(sync_every=3, val_every=5)
+        train=SimpleNamespace(batch_groups=4, steps=6), algorithm=SimpleNamespace(sync_every=3, val_every=5)
     )
     actors = SimpleNamespace(rollouter=None, timeout_s=1.0)
     assert set(SOURCES) == {"sync", "one_step_off", "fully_async"}
     for mode in ("sync", "one_step_off"):
         src = SOURCES[mode](cfg, actors)
         assert all(src.should_push(s, False) for s in range(1, 7))
+    # one_step_off starts the batch after the next one at the push only where the loop will ask for it: after
+    # step s the loop trains s + 1 and, where s + 2 <= steps, asks for s + 2 (`more` of next_batch)
+    src = SOURCES["one_step_off"](cfg, actors)
+    wanted = []
+    for s in range(1, 7):
+        src.should_push(s, s == 6)
+        wanted.append(src.follow_on)
+    assert wanted == [True, True, True, True, False, False]
+    src.should_push(2, True)  # a stop after step 2: nothing more
+    assert src.follow_on is False
     src = SOURCES["fully_async"](cfg, actors)
     assert [s for s in range(1, 10) if src.should_push(s, False)] == [3, 6, 9]
     assert src.should_push(4, True)  # the last step always pushes
