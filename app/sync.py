@@ -89,7 +89,15 @@ from app.infra.ray_compat import current_actor
 from app.trainer.comm import bcast, first_error
 from app.vllm import engine as vla
 from app.vllm.adapters import Adapter, AdapterBook
-from app.weights.ack_board import AckPoster, agreed_checksums, collect, collect_keys, replica_acks, worker_key
+from app.weights.ack_board import (
+    AckPoster,
+    agreed_checksums,
+    collect,
+    collect_keys,
+    replica_acks,
+    slowest_worker,
+    worker_key,
+)
 from app.weights.buckets import plan_buckets
 from app.weights.group import free_port, resolve_backend
 from app.weights.hub import check_acks
@@ -412,11 +420,12 @@ class TrainerSync:
         which follows within milliseconds (the version set, generation resumed, every phase) into the push's
         stats (`sync/replica/*`), then its log line. A replica that failed after its workers' answers (its
         engine died before the resume) is dropped, so the next push forms the group again without it. Where
-        the answer is not there within `timeout_s` it stays pending, unless `last_call` (the next push)."""
-        import ray
-
+        the answer is not there within `timeout_s` it stays pending, unless `last_call` (the next push). A
+        no-op where nothing is pending (always on the other ranks)."""
         if self._late is None:
             return
+        import ray
+
         stats, pending = self._late
         if not ray.wait([pending], timeout=timeout_s)[0] and not last_call:
             return
@@ -454,8 +463,7 @@ class TrainerSync:
         (`_budget_s`); every try ends in a collective, so all ranks agree on when to stop."""
 
         s = self.cfg.sync
-        if self.rank == 0:
-            self.settle(s.timeout_s, last_call=True)  # the previous push's replica answers, if still pending
+        self.settle(s.timeout_s, last_call=True)  # the previous push's replica answers, if still pending
         mb = float(getattr(s, getattr(self.walker, "bucket_setting", "bucket_mb"), s.bucket_mb))
         plan = self._plan(version, int(mb * 2**20))
         t_start = time.perf_counter()
@@ -833,11 +841,7 @@ class ReplicaSync:
         try:
             res = await self._load(plan, ph)
             self.admitted.set()
-            ph.update(
-                transfer_s=max(r["transfer_s"] for r in res),
-                load_s=max(r["load_s"] for r in res),
-                worker_s=max(r["receive_s"] for r in res),
-            )
+            ph.update(slowest_worker(res))
             if not self.verified:  # as the hub counts it: registration to the first verified weights
                 ph["join_s"] = time.time() - self.started
             ack = Ack(

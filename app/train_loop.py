@@ -224,8 +224,7 @@ def report(
     between, t.between = t.between, []
     if not t.lead:
         return
-    if push is not None:  # its replicas' own phases, where their workers acknowledged it
-        t.sync.settle(5.0)
+    t.sync.settle(5.0)  # the push's replicas' own phases, where their workers acknowledged it
     families = t.source.metric_families | ({"filtered"} if t.cfg.algorithm.filter_groups else set())
     m = step_metrics(stats, batch, timings, push, st.version, st.pushed, step, between, families)
     t.tracker.metrics(m, step)
@@ -261,8 +260,7 @@ def finish(t: Trainer, st: RunState) -> None:
         st.val_last = st.val_last if val is None else val
     if st.pushed != st.version:  # the data ran out between pushes: the replicas get the final weights too
         push_version(t, st, "the final weights", notify=False)
-        if t.lead:
-            t.sync.settle(5.0)
+        t.sync.settle(5.0)  # its replicas' own phases, for the log line (a no-op but on rank 0)
     if t.lead and t.validator.validated != st.version:
         st.val_last = t.validator.run(st.version, st.step)
     final = t.run_dir / "final"

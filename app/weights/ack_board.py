@@ -81,6 +81,16 @@ def answered(
     return {**res, "posted": True}
 
 
+def slowest_worker(results: list[dict[str, Any]]) -> dict[str, float]:
+    """A replica's worker phases from its workers' load results: the slowest worker's transfer, load and
+    whole receive (`worker_s`)."""
+    return {
+        "transfer_s": max(float(r["transfer_s"]) for r in results),
+        "load_s": max(float(r["load_s"]) for r in results),
+        "worker_s": max(float(r["receive_s"]) for r in results),
+    }
+
+
 def agreed_checksums(results: list[dict[str, Any]], replica_id: str, version: int) -> list[str]:
     """The per-bucket checksums every worker of a replica received (tensor-parallel workers each receive the
     whole push); a worker that received other bytes fails the push, naming it and the buckets."""
@@ -116,9 +126,7 @@ def replica_acks(
         except RuntimeError as e:
             out[rid] = Ack(ok=False, error=str(e))
             continue
-        detail = {"store": True, "by": "workers"}
-        for key, phase in (("transfer_s", "transfer_s"), ("load_s", "load_s"), ("receive_s", "worker_s")):
-            detail[phase] = max(float(a.get(key, 0.0)) for a in mine)
+        detail = {"store": True, "by": "workers", **slowest_worker(mine)}
         out[rid] = Ack(ok=True, checksums=checksums, detail=detail)
     return out
 

@@ -46,8 +46,7 @@ def logprob_loop(config: dict[str, Any]) -> None:
     learner.step(batch)
     push = sync.push(1)
     at_return = {rid: dict(x) for rid, x in push.extra.items()}  # the workers' answers, as the push returned
-    if learner.rank == 0:
-        sync.settle(30.0)  # then each replica's own (version set, resumed, its phases)
+    sync.settle(30.0)  # then each replica's own (version set, resumed, its phases); rank 0's
     after = learner.logprobs_of(prompt, completion)
     if learner.rank == 0:
         vllm_after = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=60)
@@ -122,8 +121,7 @@ def _push(sync: Any, version: int) -> Any:
     """A push, then (rank 0) its replicas' own answers, which follow their workers' acknowledgements and
     carry each replica's phases (`TrainerSync.settle`)."""
     stats = sync.push(version)
-    if sync.rank == 0:
-        sync.settle(30.0)
+    sync.settle(30.0)  # rank 0's; a no-op elsewhere
     return stats
 
 
