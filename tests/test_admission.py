@@ -15,7 +15,14 @@ from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
 from app.rewards.styles import RewardInput
 from app.rollout import AsyncProducer, GenSettings, GroupGenerator, ProducerSettings, PromptStream
-from app.rollout.admission import admission_limit, can_admit, merge_partial, over_bound, staleness_bound
+from app.rollout.admission import (
+    admission_limit,
+    can_admit,
+    merge_partial,
+    older_than_newest,
+    over_bound,
+    staleness_bound,
+)
 from app.trainer.learner import staleness_by_length_decile
 
 
@@ -40,6 +47,20 @@ def test_merge_partial_keeps_versions_and_logprobs():
     part.versions = [3]  # a sample mutated out of shape: the merged one is checked again
     with pytest.raises(ValueError, match="one version per token"):
         merge_partial(part, cont)
+
+
+def test_older_than_newest_hand_values():
+    def smp(*versions: int) -> Sample:
+        return Sample(
+            token_ids=[1] * len(versions),
+            logprobs=[0.0] * len(versions),
+            versions=list(versions),
+            finish_reason="stop",
+        )
+
+    assert older_than_newest([smp(2, 2), smp(3), smp(), smp(2, 3), smp(3, 3)]) == [0, 3]
+    assert older_than_newest([smp(1), smp(1, 1)]) == []  # one version: nothing to generate again
+    assert older_than_newest([smp(), smp()]) == []  # no tokens, no versions
 
 
 def test_staleness_by_length_decile():

@@ -159,6 +159,37 @@ def test_generator_freeze_and_continue_partial():
     assert not gen.inflight
 
 
+def test_off_regenerates_the_samples_a_push_overtook_until_the_group_has_one_version():
+    """rollout.partial=off: the first sample is served at v0, then a push lands before the second reaches
+    the replica (v1). The older sample is generated again, with its own seed, so the group comes from v1."""
+
+    class PushAfterFirst(FakeReplica):
+        async def __call__(self, req: GenerateRequest) -> GenerateResponse:
+            resp = await super().__call__(req)
+            self.version = 1  # every request after the first one runs under v1
+            return resp
+
+    fake = PushAfterFirst()
+    gen = _gen(fake, partial="off")
+    g = asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1], answer="a"), seed=10))
+    assert [s.versions for s in g.samples] == [[1] * 4, [1] * 4]
+    assert gen.stats["async/off_regenerated"] == 1
+    assert [r.seed for r in fake.calls] == [10, 11, 10]  # sample 0 again, with its seed
+    assert all(s.reward == 4.0 for s in g.samples)  # the regenerated sample was scored
+    keep = _gen(PushAfterFirst(), partial="keep")  # keep: tokens carry their versions, nothing regenerated
+    g = asyncio.run(keep.group(Prompt(uid="u", prompt_ids=[1], answer="a"), seed=10))
+    assert [s.versions[0] for s in g.samples] == [0, 1] and not keep.stats["async/off_regenerated"]
+
+
+def test_off_fails_a_group_that_pushes_keep_overtaking_within_the_request_timeout():
+    """A push between every two requests (the fake's version rises with each): the group never comes from one
+    version, and fails naming the prompt and the setting once rollout.request_timeout_s has passed."""
+    gen = _gen(FakeReplica(), partial="off", request_timeout_s=0.2)
+    with pytest.raises(RuntimeError, match=r"prompt u: pushes kept landing .*rollout.request_timeout_s=0.2s"):
+        asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1], answer="a"), seed=0))
+    assert gen.stats["async/off_regenerated"] >= 1 and not gen.inflight
+
+
 def test_generator_fails_a_failed_request_clearly():
     """Retrying on a live replica is the GenerateFn's (tests/test_faults.py); what still fails names the
     prompt and fails the group (its prompt goes back to the stream)."""

@@ -53,6 +53,14 @@ def response_budget(lengths: tuple[float, int] | None, uid: str, seed: int, max_
     return max(1, min(max_tokens, int(low * rng.paretovariate(alpha))))
 
 
+def older_than_newest(samples: list[Sample]) -> list[int]:
+    """The indices of the samples with a token older than the newest version any sample of the group holds
+    (`rollout.partial=off` generates those again, so that the group comes from one policy version). A sample
+    without tokens carries no version and is never older."""
+    newest = max((v for s in samples for v in s.versions), default=-1)
+    return [i for i, s in enumerate(samples) if s.versions and min(s.versions) < newest]
+
+
 def merge_partial(partial: Sample, continuation: Sample) -> Sample:
     """A sample aborted mid-generation plus its continuation (generated from prompt + partial response).
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -146,19 +147,19 @@ class GroupGenerator:
         if prompt.partial:
             self.stats["ckpt/resumed_partial_groups"] += 1
         count = len(prompt.partial) if prompt.partial else (n or self.s.n)
+        reqs = [replace(req, seed=None if seed is None else seed + i) for i in range(count)]
         self.inflight.add(key)
         try:
             outs = await asyncio.gather(
                 *[
                     self._sample(
-                        prompt,
-                        replace(req, seed=None if seed is None else seed + i),
-                        replace(prompt.partial[i]) if prompt.partial else None,
-                        score_now,
+                        prompt, reqs[i], replace(prompt.partial[i]) if prompt.partial else None, score_now
                     )
                     for i in range(count)
                 ]
             )
+            if self.s.partial == "off" and self.episode is None and not prompt.partial:
+                outs = await self._one_version(prompt, reqs, outs, score_now)
         finally:
             self.inflight.discard(key)
         if train and self.freezing and any(s.finish_reason == "abort" for s, _ in outs):
@@ -179,6 +180,33 @@ class GroupGenerator:
         if train and score_now and self.refs is not None:
             await self.refs.fill(g)
         return g
+
+    async def _one_version(
+        self,
+        prompt: Prompt,
+        reqs: list[GenerateRequest],
+        outs: list[tuple[Sample, RewardResult | None]],
+        score_now: bool,
+    ) -> list[tuple[Sample, RewardResult | None]]:
+        """`rollout.partial=off`: every sample of a group comes from one policy version. The replica drains
+        before a push, but each sample is its own request: one still on its way to the replica when the push
+        closes its gate, or one served by a replica the push reached earlier, runs under the newer weights.
+        The samples older than the group's newest are generated again (counted in `async/off_regenerated`),
+        until all agree; past `rollout.request_timeout_s` the group fails and its prompt goes back to the
+        stream. (Restored partial samples and multi-turn episodes are left as they are.)"""
+        deadline = time.monotonic() + self.s.request_timeout_s
+        while stale := admission.older_than_newest([s for s, _ in outs]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"prompt {prompt.uid}: pushes kept landing between its samples for "
+                    f"rollout.request_timeout_s={self.s.request_timeout_s}s, so its group never came from one "
+                    "policy version (rollout.partial=off); push less often or use rollout.partial=keep"
+                )
+            self.stats["async/off_regenerated"] += len(stale)
+            again = await asyncio.gather(*[self._sample(prompt, reqs[i], None, score_now) for i in stale])
+            for i, out in zip(stale, again, strict=True):
+                outs[i] = out
+        return outs
 
     def _set_reward(self, s: Sample, res: RewardResult | None, shape: bool = True) -> None:
         """The sample's reward; training samples (`shape`) also get the overlong punishment, if on."""

@@ -269,6 +269,7 @@ class AsyncProducer:
                 "async/over_bound_batch": float(over),
                 "async/failed_groups": float(self.stats["async/failed_groups"]),
                 "async/resubmitted": float(self.stats["async/resubmitted"]),
+                "async/off_regenerated": float(self.stats["async/off_regenerated"]),
                 "async/filtered_groups": float(self.stats["async/filtered_groups"]),
             },
         )
