@@ -776,9 +776,14 @@ class ReplicaSync:
             detail = {"workers": res, "store": self.poster is not None, "worker_acks": by_workers}
             await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=True, detail=detail))
         except Exception as e:
-            self.last_error = f"join of epoch {g.epoch} failed: {e}"
+            why = (
+                f"the workers did not answer within {g.timeout_s + 5:g}s"
+                if isinstance(e, (asyncio.TimeoutError, TimeoutError))
+                else str(e) or repr(e)
+            )
+            self.last_error = f"join of epoch {g.epoch} failed: {why}"
             log.warning("replica %s: %s", self.replica_id, self.last_error)
-            await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=False, error=str(e)))
+            await self.hub.ack.remote(self.replica_id, "join", g.epoch, Ack(ok=False, error=why))
 
     async def _poster(self, g: GroupInfo) -> AckPoster | None:
         """A client of epoch `g`'s store for this replica's acknowledgements; None (the hub alone) where the

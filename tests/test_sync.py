@@ -278,6 +278,46 @@ def test_the_nccl_stream_priority_travels_with_the_epoch_to_every_member():
         group.close()
 
 
+def test_a_member_joins_a_store_that_listens_late_and_fails_fast_where_none_ever_will(monkeypatch):
+    """The trainer announces an epoch a moment before its store listens: a member that arrives first waits for
+    it and joins. Where the trainer that announced the epoch is gone (killed mid-push), the join fails within
+    STORE_LISTEN_S, naming the store, instead of two rounds of the group's timeout in TCPStore's connect loop
+    (in a vLLM engine core, the new trainer's joins queued behind that one and failed too)."""
+    import threading
+
+    from app.weights import group as wg
+
+    port, got = free_port(), {}
+
+    def trainer():
+        time.sleep(0.3)  # announced, not yet listening
+        g = wg.StatelessGroup("127.0.0.1", port, 0, 2, "gloo", 30.0, epoch=1)
+        try:
+            g.broadcast(torch.arange(3.0))
+        finally:
+            g.close()
+
+    th = threading.Thread(target=trainer)
+    th.start()
+    member = wg.StatelessGroup("127.0.0.1", port, 1, 2, "gloo", 30.0, epoch=1)
+    try:
+        got["t"] = torch.zeros(3)
+        member.broadcast(got["t"])
+    finally:
+        member.close()
+        th.join(timeout=60)
+    assert got["t"].tolist() == [0.0, 1.0, 2.0]
+
+    monkeypatch.setattr(wg, "STORE_LISTEN_S", 0.5)
+    dead = free_port()  # nothing will ever listen here
+    t0 = time.monotonic()
+    with pytest.raises(
+        SyncError, match=rf"epoch 3: nothing listens at the weight group's store 127.0.0.1:{dead} after 0.5s"
+    ):
+        wg.StatelessGroup("127.0.0.1", dead, 1, 2, "gloo", 60.0, epoch=3)
+    assert time.monotonic() - t0 < 30  # not the 2 x 60 s of TCPStore's own connect loop
+
+
 def test_hub_join_push_ack_cycle():
     async def scenario():
         hub = WeightHub()
@@ -307,6 +347,31 @@ def test_hub_join_push_ack_cycle():
         await hub.drop(["r2"])
         assert hub.membership_changed() and hub.alive_ids() == ["r1"]
         assert isinstance(await hub.next_instruction("r2", g.epoch, 1, 0.1), Unknown)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_is_not_sent_back_to_an_epoch_it_failed_in():
+    """A trainer killed mid-push leaves its epoch current in the hub: the replica whose receive failed must not
+    be sent to join that epoch again (its store is gone: the join would only fail, slowly), but joins the
+    epoch the restarted trainer opens. The same for a failed join; registering again starts afresh."""
+
+    async def scenario():
+        hub = WeightHub()
+        await hub.register("r1")
+        g0 = await hub.open_epoch("127.0.0.1", 1234, "gloo", 5.0)
+        await hub.ack("r1", "join", g0.epoch, OK)
+        await hub.announce(_plan(4))
+        await hub.ack("r1", "push", 4, Ack(ok=False, error="gloo: connection closed by peer"))
+        # the replica leaves the failed epoch (-1) and asks what to do: nothing, until a new epoch
+        assert isinstance(await hub.next_instruction("r1", -1, 3, 0.1), Idle)
+        g1 = await hub.open_epoch("127.0.0.1", 1235, "gloo", 5.0)  # the restarted trainer's
+        ins = await hub.next_instruction("r1", -1, 3, 0.1)
+        assert isinstance(ins, Join) and ins.group.epoch == g1.epoch == g0.epoch + 1
+        await hub.ack("r1", "join", g1.epoch, Ack(ok=False, error="no store"))
+        assert isinstance(await hub.next_instruction("r1", -1, 3, 0.1), Idle)
+        await hub.register("r1")  # dropped and back: a member afresh
+        assert isinstance(await hub.next_instruction("r1", -1, 3, 0.1), Join)
 
     asyncio.run(scenario())
 

@@ -28,6 +28,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# how long a member of an announced epoch waits for the epoch's store to listen (the trainer announces the
+# epoch a moment before its store listens; refused connections are retried until then)
+STORE_LISTEN_S = 20.0
+
+
+def wait_for_store(host: str, port: int, within_s: float, what: str) -> None:
+    """Return once something listens at the weight group's store `host:port`, within `within_s` seconds.
+
+    Past that, the trainer that announced the epoch is gone (killed mid-push, its group restarting) and the
+    join fails now. TCPStore's own connect would retry a refused connection for two rounds of the group's
+    timeout, minutes in which a vLLM engine core runs nothing else: the joins of the new trainer's epochs
+    would queue behind it and fail in turn."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, left)):
+                return
+        except ConnectionRefusedError:
+            if left <= 0:
+                raise SyncError(
+                    f"{what}: nothing listens at the weight group's store {host}:{port} after {within_s:g}s; "
+                    "the trainer that announced this epoch is gone (the replica joins its next epoch)"
+                ) from None
+            time.sleep(min(0.05, max(0.0, left)))
+        except OSError as e:
+            raise SyncError(
+                f"{what}: the weight group's store {host}:{port} cannot be reached ({e}); check that this "
+                "node can open TCP connections to the trainer's node"
+            ) from e
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend != "auto":
         return backend
@@ -79,6 +111,8 @@ class StatelessGroup:
     ) -> None:
         self.rank, self.world, self.backend, self.timeout = rank, world, backend, timedelta(seconds=timeout_s)
         self.device = torch.device(device)
+        if rank != 0:
+            wait_for_store(host, port, min(timeout_s, STORE_LISTEN_S), f"epoch {epoch}")
         self.store = dist.TCPStore(
             host, port, world_size=world, is_master=rank == 0, timeout=self.timeout, wait_for_workers=False
         )

@@ -59,6 +59,9 @@ class Member:
     admitted_version: int | None = None  # the version of its first acknowledged push (it serves from then)
     left_at: float | None = None  # when it left, or was dropped
     dropped: str | None = None
+    # the epoch of its last failed join or push: it is not sent to join that epoch again (its trainer may be
+    # gone, killed mid-push; a live one drops it and forms the next epoch, which it joins)
+    failed_epoch: int = -1
 
 
 class WeightHub:
@@ -265,7 +268,7 @@ class WeightHub:
         if m is None or not m.alive:
             return Unknown()
         if g is not None and replica_id in g.ranks and g.epoch != epoch:
-            return Join(group=g, rank=g.ranks[replica_id])
+            return Join(group=g, rank=g.ranks[replica_id]) if g.epoch != m.failed_epoch else None
         # another version (newer, or older after the trainer restored a checkpoint), or the same version
         # retried in a new epoch (the replica may have received it before a broadcast failed elsewhere:
         # every member must take part in the retry)
@@ -288,6 +291,8 @@ class WeightHub:
     async def ack(self, replica_id: str, kind: str, key: int, ack: Ack) -> None:
         """A replica's answer to join `key` (an epoch) or push `key` (a version)."""
         m = self.members.get(replica_id)
+        if m is not None and not ack.ok:
+            m.failed_epoch = key if kind == "join" else m.epoch
         if m is not None and ack.ok:
             if kind == "join":
                 m.epoch = key
