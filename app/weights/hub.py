@@ -293,7 +293,7 @@ class WeightHub:
         m = self.members.get(replica_id)
         if m is not None and not ack.ok:
             m.failed_epoch = key if kind == "join" else m.epoch
-        if m is not None and ack.ok:
+        elif m is not None:
             if kind == "join":
                 m.epoch = key
             elif kind == "push":
