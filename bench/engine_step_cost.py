@@ -1,0 +1,191 @@
+"""The vLLM engine's time per decode step, by batch size and sampling option: what bounds generation.
+
+    python bench/engine_step_cost.py                                           # the embedded model, CPU
+    python bench/engine_step_cost.py --gpu --shape 1.5B --max-num-seqs 512 \\
+        --points 512x256,256x256,128x512,32x1024,8x1024,1x1024                # session 27's H100 figures
+
+The engine is Relay's (`app.vllm.engine.create_engine`: the worker extension, log-probs after temperature,
+CUDA graphs with `--gpu`), driven directly, without Serve (bench/rollout_overhead.py measures what Serve
+adds). Each point `KxL` sends K requests at once, each of exactly L tokens (EOS ignored), so all K decode
+together for L steps and seconds / L is one decode step at batch K. The variants repeat the first point with
+other sampling options:
+
+    ours    Relay's requests: a seed each, the sampled token's log-prob (`rollout` always asks for both)
+    noseed  the log-prob, no seed
+    nolp    neither
+    greedy  temperature 0, neither
+
+Prints a final JSON line: ms per step at each point, the ms each further sequence adds to a step (a
+least-squares line through the points of batch >= 32), and each variant's time over `nolp`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.config import load_config
+from app.infra.resources import memory_share
+from app.vllm import engine as vla
+
+log = logging.getLogger("bench.engine_step_cost")
+
+VARIANTS = {  # name: (seeded, logprobs, temperature)
+    "ours": (True, 0, 1.0),
+    "noseed": (False, 0, 1.0),
+    "nolp": (False, None, 1.0),
+    "greedy": (False, None, 0.0),
+}
+
+
+def parse_points(spec: str) -> list[tuple[int, int]]:
+    """`512x256,32x1024` -> [(512, 256), (32, 1024)]: (requests at once, tokens each)."""
+    out = []
+    for part in spec.split(","):
+        k, _, length = part.strip().partition("x")
+        if not (k.isdigit() and length.isdigit() and int(k) > 0 and int(length) > 0):
+            raise ValueError(f"point {part!r}: use KxL, K requests of L tokens each (e.g. 512x256)")
+        out.append((int(k), int(length)))
+    return out
+
+
+def per_seq_ms(points: list[tuple[int, float]], min_batch: int = 32) -> float | None:
+    """The slope, in ms per sequence, of a least-squares line through (batch, ms per step) for the points of
+    batch >= `min_batch` (None with fewer than two such batches): what each further sequence adds to a step
+    once the step no longer costs the same at any batch."""
+    pts = [(float(k), ms) for k, ms in points if k >= min_batch]
+    if len({k for k, _ in pts}) < 2:
+        return None
+    mk = sum(k for k, _ in pts) / len(pts)
+    mm = sum(m for _, m in pts) / len(pts)
+    return sum((k - mk) * (m - mm) for k, m in pts) / sum((k - mk) ** 2 for k, _ in pts)
+
+
+async def timed_batch(engine, prompts: list[list[int]], k: int, length: int, variant: str) -> float:
+    """Seconds for `k` requests of exactly `length` tokens each, all sent at once."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    seeded, logprobs, temperature = VARIANTS[variant]
+
+    async def one(i: int) -> None:
+        params = SamplingParams(
+            n=1,
+            max_tokens=length,
+            temperature=temperature,
+            top_p=1.0,
+            logprobs=logprobs,
+            seed=1000 + i if seeded else None,
+            ignore_eos=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        prompt = {"prompt_token_ids": prompts[i % len(prompts)]}
+        async for _ in engine.generate(prompt, params, uuid.uuid4().hex):
+            pass
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(k)])
+    return time.perf_counter() - t0
+
+
+async def measure(engine_kw: dict, prompts, points, variants) -> dict:
+    """Each point with Relay's requests, then each variant at the first point, on one engine."""
+    engine = vla.create_engine(**engine_kw)  # inside the loop: the engine's output handler runs on it
+    try:
+        return await _measure(engine, prompts, points, variants)
+    finally:
+        vla.shutdown(engine)
+        del engine  # while the interpreter is whole: AsyncLLM.__del__ shuts down again
+
+
+async def _measure(engine, prompts, points, variants) -> dict:
+    await timed_batch(engine, prompts, min(64, points[0][0]), 8, "ours")  # warm-up: kernels, first graphs
+    steps = {}
+    for k, length in points:
+        s = await timed_batch(engine, prompts, k, length, "ours")
+        steps[f"{k}x{length}"] = {"s": round(s, 3), "ms_per_step": round(1e3 * s / length, 2)}
+        log.info("%dx%d: %.2f s, %.2f ms a step", k, length, s, 1e3 * s / length)
+    k, length = points[0]
+    times = {v: await timed_batch(engine, prompts, k, length, v) for v in variants}
+    for v, s in times.items():
+        log.info("%s at %dx%d: %.2f s", v, k, length, s)
+    slope = per_seq_ms([(int(p.split("x")[0]), r["ms_per_step"]) for p, r in steps.items()])
+    return {
+        "points": steps,
+        "ms_per_extra_seq": None if slope is None else round(slope, 4),
+        "variants_s": {v: round(s, 3) for v, s in times.items()},
+        "over_nolp": {v: round(s / times["nolp"], 3) for v, s in times.items()} if "nolp" in times else {},
+    }
+
+
+def model_and_prompts(cfg, shape: str, models: str, prompt_len: int) -> tuple[str, list[list[int]]]:
+    """A Qwen2.5-shaped model (random weights, full vocabulary; random prompt ids), or the embedded one with
+    its validation prompts."""
+    import random
+
+    if shape:
+        from bench.qwen_shapes import build_model_dir
+
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1000, 100_000) for _ in range(prompt_len)] for _ in range(64)]
+        return build_model_dir(shape, models), prompts
+    from transformers import AutoTokenizer
+
+    from app.driver import resolve_inputs
+
+    inputs = resolve_inputs(cfg)
+    tok = AutoTokenizer.from_pretrained(inputs.model_path)
+    return inputs.model_path, [tok.encode(r.prompt, add_special_tokens=False) for r in inputs.val_rows[:64]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", default="16x32,8x32,1x32", help="KxL,...: K requests of L tokens each")
+    ap.add_argument("--variants", default="ours,noseed,nolp,greedy", help=",".join(VARIANTS))
+    ap.add_argument("--shape", default="", help="a Qwen2.5 shape (bench/qwen_shapes.py), e.g. 1.5B")
+    ap.add_argument("--models", default="/tmp/relay-bench-models", help="where --shape models are built")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens with --shape")
+    ap.add_argument("--gpu", action="store_true", help="vLLM on the GPU with CUDA graphs (configs/gpu2.yaml)")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="0: the config's rollout.max_num_seqs")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    points = parse_points(args.points)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    longest = max(length for _, length in points)
+    overrides = ["ray.name=bench", f"rollout.max_model_len={args.prompt_len + longest + 64}"]
+    if args.max_num_seqs:
+        overrides.append(f"rollout.max_num_seqs={args.max_num_seqs}")
+    cfg = load_config("gpu2" if args.gpu else None, overrides)
+    r = cfg.rollout
+    if not args.gpu:
+        os.environ.update(vla.cpu_env(r.kv_cache_gib))
+    model_path, prompts = model_and_prompts(cfg, args.shape, args.models, args.prompt_len)
+    engine_kw = dict(
+        model_path=model_path,
+        dtype=cfg.model.dtype,
+        max_model_len=r.max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        gpu_memory_utilization=memory_share(r) if args.gpu else 0.9,
+        seed=cfg.seed,
+        use_gpu=args.gpu,
+        cuda_graphs=args.gpu and r.cuda_graphs,
+    )
+    result = asyncio.run(measure(engine_kw, prompts, points, variants))
+    head = {"bench": "engine_step_cost", "model": args.shape or "embedded", "gpu": args.gpu}
+    sys.stdout.write(json.dumps({**head, "max_num_seqs": r.max_num_seqs, **result}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
