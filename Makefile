@@ -28,6 +28,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/rollout_overhead.py
+	$(PY) bench/engine_step_cost.py
 	$(PY) bench/sync_bandwidth.py
 
 clean:
