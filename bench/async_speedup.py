@@ -14,6 +14,12 @@ final JSON line with tokens/s per mode and three ratios to `sync`: over the whol
 the median step (`step_ratio_to_sync`), and by the trained tokens/s after the first step
 (`steady_ratio_to_sync`: a short run's loop is mostly its first step, the trainer's compile and the first
 generation that nothing overlaps).
+
+Where each mode needs its own call (a GPU engine's start and a realistic shape fill a 10-minute call), save each
+run's output and pass it to the next with `--with`; the last run's line then holds every mode and the ratios:
+
+    python bench/async_speedup.py --gpus 2 --shape 1.5B --modes sync > sync.out
+    python bench/async_speedup.py --gpus 2 --shape 1.5B --modes one_step_off --with sync.out
 """
 
 from __future__ import annotations
@@ -106,7 +112,40 @@ def ratios(results: dict[str, dict], key: str) -> dict[str, float]:
     return {m: round(r[key] / base, 3) for m, r in results.items() if r.get(key) == r.get(key)}
 
 
-def main() -> None:
+SAME = ("prompts", "batch_groups", "n", "max_tokens", "lengths", "gpu", "gpus", "shape", "overrides")
+"""The settings two runs must share for their modes to compare (`--with`)."""
+
+
+def merge_earlier(summary: dict, earlier: list[dict]) -> dict[str, dict]:
+    """This run's modes plus those of `earlier` runs' final JSON lines (this run's win where a mode is in
+    both). Raises ValueError naming the first setting an earlier run does not share with this one."""
+    modes: dict[str, dict] = {}
+    for other in earlier:
+        for key in SAME:
+            if other.get(key) != summary.get(key):
+                raise ValueError(
+                    f"an earlier run had {key}={other.get(key)!r}, this one {summary.get(key)!r}: only runs "
+                    f"of the same {', '.join(SAME)} compare"
+                )
+        modes.update(other.get("modes", {}))
+    return {**modes, **summary["modes"]}
+
+
+def with_ratios(summary: dict) -> dict:
+    """`summary` with its three ratios to `sync` (none without a sync run among its modes)."""
+    results = summary["modes"]
+    return {
+        **summary,
+        "ratio_to_sync": ratios(results, "tokens_per_s"),
+        # the same by the median step (sync's median step over each mode's): the steady state, which the
+        # whole loop's ratio reaches only over many steps (a short run is mostly its first steps)
+        "step_ratio_to_sync": step_ratios(results),
+        # trained tokens/s after the first step (its warm-up excluded), against sync's
+        "steady_ratio_to_sync": ratios(results, "steady_tokens_per_s"),
+    }
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=160)
     ap.add_argument("--batch-groups", type=int, default=8)
@@ -131,19 +170,33 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=".cache/relay")
     ap.add_argument("--out", default="runs/bench_async_speedup")
     ap.add_argument(
+        "--with",
+        dest="earlier",
+        nargs="*",
+        default=[],
+        metavar="FILE",
+        help="earlier runs' output (their final JSON line is read): their modes join this run's ratios, e.g. "
+        "a `--modes sync` run when each mode needs its own call",
+    )
+    ap.add_argument(
         "overrides", nargs="*", help="config overrides for every mode, e.g. rollout.cuda_graphs=true"
     )
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return ap.parse_args()
 
-    import ray
 
-    from app import driver
+def last_json_line(path: str) -> dict:
+    """The final JSON line of an earlier run's output (a log may precede it)."""
+    lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith("{")]
+    if not lines:
+        raise ValueError(f"{path}: no JSON line; pass a file holding async_speedup.py's output")
+    return json.loads(lines[-1])
 
-    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
-    out.mkdir(parents=True, exist_ok=True)
+
+def common_overrides(args: argparse.Namespace, out: Path) -> list[str]:
+    """The settings every mode runs with: the same prompts, once each, the same lengths and resources."""
     data = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "train.jsonl"
     n_prompts = write_prompts(args.cache_dir, data, args.prompts)
+    args.prompts = n_prompts  # what the summary reports: the file may hold fewer
     common = [
         f"data.train={data}",
         "data.epochs=1",
@@ -163,6 +216,15 @@ def main() -> None:
         from bench.qwen_shapes import build_model_dir
 
         common += [f"model.path={build_model_dir(args.shape, args.models)}", "model.allow_toy_settings=true"]
+    return common
+
+
+def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
+    """Each mode of `--modes` in turn on one local Ray cluster: its trained tokens/s and step medians."""
+    import ray
+
+    from app import driver
+
     extra = {
         "fully_async": [
             f"algorithm.max_staleness={args.max_staleness}",
@@ -194,12 +256,11 @@ def main() -> None:
                 ],
             )
             res = driver.run(cfg)
-            tps = res["trained_tokens"] / res["loop_s"]
             results[mode] = {
                 "steps": res["steps"],
                 "trained_tokens": res["trained_tokens"],
                 "loop_s": round(res["loop_s"], 2),
-                "tokens_per_s": round(tps, 1),
+                "tokens_per_s": round(res["trained_tokens"] / res["loop_s"], 1),
                 "steady_tokens_per_s": round(
                     steady_tokens_per_s(steady_points(res["tracking_uri"], res["run_id"])), 1
                 ),
@@ -208,9 +269,19 @@ def main() -> None:
             log.info("%s: %s", mode, results[mode])
     finally:
         ray.shutdown()
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    earlier = [last_json_line(p) for p in args.earlier]
+    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
+    out.mkdir(parents=True, exist_ok=True)
+    common = common_overrides(args, out)
     summary = {
         "bench": "async_speedup",
-        "prompts": n_prompts,
+        "prompts": args.prompts,
         "batch_groups": args.batch_groups,
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -221,15 +292,10 @@ def main() -> None:
         "gpus": args.gpus,
         "shape": args.shape,
         "overrides": args.overrides,
-        "modes": results,
-        "ratio_to_sync": ratios(results, "tokens_per_s"),
-        # the same by the median step (sync's median step over each mode's): the steady state, which the
-        # whole loop's ratio reaches only over many steps (a short run is mostly its first steps)
-        "step_ratio_to_sync": step_ratios(results),
-        # trained tokens/s after the first step (its warm-up excluded), against sync's
-        "steady_ratio_to_sync": ratios(results, "steady_tokens_per_s"),
     }
-    sys.stdout.write(json.dumps(summary) + "\n")
+    merge_earlier({**summary, "modes": {}}, earlier)  # before the runs: runs that cannot compare fail at once
+    summary["modes"] = merge_earlier({**summary, "modes": run_modes(args, common)}, earlier)
+    sys.stdout.write(json.dumps(with_ratios(summary)) + "\n")
 
 
 if __name__ == "__main__":

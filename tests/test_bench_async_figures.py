@@ -1,11 +1,21 @@
 """bench/async_speedup.py's figures, with hand-computed values: the steady-state tokens/s (the first step's
-warm-up excluded) and the ratios to `sync`."""
+warm-up excluded), the ratios to `sync`, and the modes of earlier runs joining them (`--with`)."""
 
 from __future__ import annotations
 
+import json
 import math
 
-from bench.async_speedup import ratios, steady_tokens_per_s, step_ratios
+import pytest
+
+from bench.async_speedup import (
+    last_json_line,
+    merge_earlier,
+    ratios,
+    steady_tokens_per_s,
+    step_ratios,
+    with_ratios,
+)
 
 
 def test_steady_tokens_per_s_leaves_out_the_first_step():
@@ -26,3 +36,26 @@ def test_ratios_to_sync():
     assert ratios(res, "steady_tokens_per_s") == {"sync": 1.0, "one_step_off": 1.6}  # NaN left out
     assert step_ratios(res) == {"sync": 1.0, "one_step_off": 1.6, "fully_async": 2.0}  # lower is faster
     assert ratios({"one_step_off": {"tokens_per_s": 95.0}}, "tokens_per_s") == {}  # no sync run
+
+
+def test_earlier_runs_join_the_ratios_only_when_their_settings_match(tmp_path):
+    head = {"prompts": 1024, "batch_groups": 128, "n": 8, "max_tokens": 1024, "lengths": "pareto:1.2:64"}
+    head |= {"gpu": False, "gpus": 2, "shape": "1.5B", "overrides": ["rollout.max_num_seqs=512"]}
+    sync = {"tokens_per_s": 11545.2, "steady_tokens_per_s": 12201.5, "step_ms": 17351.32}
+    off = {"tokens_per_s": 14335.5, "steady_tokens_per_s": 16418.3, "step_ms": 11956.97}
+    saved = tmp_path / "sync.out"
+    saved.write_text("2026-11-27 INFO a log line\n" + json.dumps({**head, "modes": {"sync": sync}}) + "\n")
+    earlier = [last_json_line(str(saved))]
+
+    summary = {**head, "modes": merge_earlier({**head, "modes": {"one_step_off": off}}, earlier)}
+    got = with_ratios(summary)
+    # 14335.5 / 11545.2 = 1.2417; 16418.3 / 12201.5 = 1.3456; 17351.32 / 11956.97 = 1.4511
+    assert got["ratio_to_sync"] == {"sync": 1.0, "one_step_off": 1.242}
+    assert got["steady_ratio_to_sync"] == {"sync": 1.0, "one_step_off": 1.346}
+    assert got["step_ratio_to_sync"] == {"sync": 1.0, "one_step_off": 1.451}
+
+    with pytest.raises(ValueError, match="batch_groups=128, this one 64"):
+        merge_earlier({**head, "batch_groups": 64, "modes": {}}, earlier)
+    (tmp_path / "empty.out").write_text("no json here\n")
+    with pytest.raises(ValueError, match="no JSON line"):
+        last_json_line(str(tmp_path / "empty.out"))
