@@ -43,7 +43,7 @@ def curve(tracking_uri: str, run_id: str, samples_per_version: int) -> list[tupl
     return sorted((v * samples_per_version, x) for (v, _), x in by_step.items())
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--max-staleness", type=float, default=2.0)
@@ -54,15 +54,19 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.03, help="the largest final gap that passes")
     ap.add_argument("--cache-dir", default=".cache/relay")
     ap.add_argument("--out", default="runs/bench_async_learning")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return ap.parse_args()
 
+
+def run_both(
+    args: argparse.Namespace, out: Path
+) -> tuple[dict[str, list[tuple[int, float]]], dict[str, dict]]:
+    """`sync`, then `fully_async`, on one local Ray cluster: each one's validation curve (trained samples,
+    reward) and its end figures."""
     import ray
 
     from app import driver
+    from bench.local_ray import start_local_ray
 
-    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
-    out.mkdir(parents=True, exist_ok=True)
     common = [
         f"train.steps={args.steps}",
         f"algorithm.val_every={args.val_every}",
@@ -78,14 +82,7 @@ def main() -> None:
             f"rollout.partial={args.partial}",
         ],
     }
-    ray.init(
-        address="local",
-        num_cpus=16,
-        include_dashboard=False,
-        log_to_driver=False,
-        # as app.driver.start_ray: roles that asked for no GPU must not see one
-        runtime_env={"env_vars": {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}},
-    )
+    start_local_ray()
     curves: dict[str, list[tuple[int, float]]] = {}
     ends: dict[str, dict] = {}
     try:
@@ -106,7 +103,11 @@ def main() -> None:
             log.info("%s: %s", mode, ends[mode])
     finally:
         ray.shutdown()
+    return curves, ends
 
+
+def plot_curves(curves: dict[str, list[tuple[int, float]]], max_staleness: float, out: Path) -> Path:
+    """Validation reward against trained samples, one line per mode: the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,7 +115,7 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, pts in curves.items():
-        label = mode if mode == "sync" else f"{mode} (max_staleness={args.max_staleness:g})"
+        label = mode if mode == "sync" else f"{mode} (max_staleness={max_staleness:g})"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("trained samples")
     ax.set_ylabel("validation reward (greedy)")
@@ -124,6 +125,16 @@ def main() -> None:
     fig.tight_layout()
     plot = out / "async_learning.png"
     fig.savefig(plot, dpi=120)
+    return plot
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
+    out.mkdir(parents=True, exist_ok=True)
+    curves, ends = run_both(args, out)
+    plot = plot_curves(curves, args.max_staleness, out)
     gap = ends["sync"]["val_reward_last"] - ends["fully_async"]["val_reward_last"]
     summary = {
         "bench": "async_learning",

@@ -224,6 +224,7 @@ def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
     import ray
 
     from app import driver
+    from bench.local_ray import start_local_ray
 
     extra = {
         "fully_async": [
@@ -233,14 +234,7 @@ def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
             "algorithm.correction=decoupled",
         ]
     }
-    ray.init(
-        address="local",
-        num_cpus=16,
-        include_dashboard=False,
-        log_to_driver=False,
-        # as app.driver.start_ray: roles that asked for no GPU must not see one
-        runtime_env={"env_vars": {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}},
-    )
+    start_local_ray()
     results: dict[str, dict] = {}
     try:
         for mode in args.modes.split(","):
