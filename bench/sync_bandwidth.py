@@ -157,122 +157,132 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
     group = StatelessGroup(
         "127.0.0.1", port, rank, 2, "gloo" if cpu else "nccl", 300.0, 0, dev, args["nccl_high_priority"]
     )
-    bucket_bytes = int(args["bucket_mb"] * 2**20)
-    reps, warmup = args["reps"], args["warmup"]
     for size in args["sizes"]:
-        specs = qwen2_specs(size)
-        if rank == 0:
-            g = torch.Generator(device=dev).manual_seed(0)
-            state = {n: torch.randn(s, generator=g, device=dev).to(torch.bfloat16) for n, s, _ in specs}
-        else:
-            state = {n: torch.empty(s, dtype=torch.bfloat16, device=dev) for n, s, _ in specs}
-
-        def gather(names: list[str], state: dict[str, torch.Tensor] = state) -> list[torch.Tensor]:
-            return [state[n] for n in names]
-
-        # the receiver loads as a replica's worker does (app/vllm/fast_load.py): one batched copy per bucket,
-        # queued on the device, so the receive never waits on the host for a bucket
-        shapes = {n: tuple(s) for n, s, _ in specs}
-        slots = plan_slots(shapes, shapes, {})
-        if slots is None:
-            raise RuntimeError(f"{size}: SlotLoader cannot place the stand-in's own tensors")
-        load = SlotLoader(state, slots)
-
-        for var in args["variants"]:
-            with variant(var, dev):
-                for i in range(warmup + reps):
-                    plan = plan_buckets(specs, bucket_bytes, version=i)
-                    group.barrier()
-                    sync_dev(dev)
-                    t0 = now()
-                    if rank == 0:
-                        st = send_buckets(plan, gather, group, dev)
-                        sync_dev(dev)
-                        rec = {
-                            "gather_s": st.gather_s,
-                            "pack_s": st.pack_s,
-                            "transfer_s": st.transfer_s,
-                            "checksums": st.checksums,
-                        }
-                    else:
-                        cks, timing = receive_buckets(plan, group, load, dev)
-                        sync_dev(dev)
-                        rec = {
-                            "recv_transfer_s": timing["transfer_s"],
-                            "load_s": timing["load_s"],
-                            "checksums": cks,
-                        }
-                    rec.update(t0=t0, t1=now(), rep=i, buckets=len(plan.buckets), nbytes=plan.nbytes)
-                    if i >= warmup:
-                        out.put({"rank": rank, "size": size, "variant": var, **rec})
-        # the same bytes as one flat tensor through one raw broadcast
-        numel = sum(torch.Size(s).numel() for _, s, _ in specs)
-        flat = torch.empty(numel, dtype=torch.bfloat16, device=dev)
-        if rank == 0:
-            flat.normal_()
-        opts = torch.distributed.BroadcastOptions()
-        for i in range(warmup + reps):
-            group.barrier()
-            sync_dev(dev)
-            t0 = now()
-            group.pg.broadcast([flat], opts).wait()
-            sync_dev(dev)
-            if i >= warmup:
-                out.put(
-                    {
-                        "rank": rank,
-                        "size": size,
-                        "variant": "raw",
-                        "t0": t0,
-                        "t1": now(),
-                        "nbytes": flat.numel() * 2,
-                    }
-                )
-        # where the sender's pack time goes: the copies alone, the checksum alone (new and legacy)
-        if rank == 0:
-            plan = plan_buckets(specs, bucket_bytes, version=0)
-            prof = {"pack_only_s": 0.0, "checksum_s": 0.0, "legacy_checksum_s": 0.0}
-            for _ in range(2):  # the first pass warms the allocator; the second is kept
-                for k in prof:
-                    prof[k] = 0.0
-                for b in plan.buckets:
-                    tensors = gather([t.name for t in b.tensors])
-                    buf = torch.empty(b.numel, dtype=torch.bfloat16, device=dev)
-                    sync_dev(dev)
-                    t0 = now()
-                    pack_into(b, tensors, buf)
-                    sync_dev(dev)
-                    t1 = now()
-                    sync_walk._checksum_sums(buf)
-                    sync_dev(dev)
-                    t2 = now()
-                    legacy_checksum(buf)
-                    t3 = now()
-                    prof["pack_only_s"] += t1 - t0
-                    prof["checksum_s"] += t2 - t1
-                    prof["legacy_checksum_s"] += t3 - t2
-            out.put({"rank": 0, "size": size, "variant": "profile", **prof})
-        if size == args["trace"] and dev.type == "cuda":  # one push under the profiler: where the time goes
-            from torch.profiler import ProfilerActivity, profile
-
-            plan = plan_buckets(specs, bucket_bytes, version=0)
-            group.barrier()
-            sync_dev(dev)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                if rank == 0:
-                    send_buckets(plan, gather, group, dev)
-                else:
-                    receive_buckets(plan, group, load, dev)
-                sync_dev(dev)
-            table = profile_table(prof)
-            out.put({"rank": rank, "size": size, "variant": "trace", "table": table})
-        group.barrier()
-        del state, flat
-        if dev.type == "cuda":
+        _bench_size(group, rank, dev, size, args, out)
+        if dev.type == "cuda":  # the size's tensors went with its call
             torch.cuda.empty_cache()
     group.barrier()
     group.close()
     out.put({"rank": rank, "done": True})
+
+
+def _bench_size(group: StatelessGroup, rank: int, dev: torch.device, size: str, args: dict, out: Any) -> None:
+    """One model size: every variant's pushes, a raw broadcast of the same bytes, the sender's pack profile
+    and (`--trace`) one push under the profiler."""
+    specs = qwen2_specs(size)
+    if rank == 0:
+        g = torch.Generator(device=dev).manual_seed(0)
+        state = {n: torch.randn(s, generator=g, device=dev).to(torch.bfloat16) for n, s, _ in specs}
+    else:
+        state = {n: torch.empty(s, dtype=torch.bfloat16, device=dev) for n, s, _ in specs}
+
+    def gather(names: list[str]) -> list[torch.Tensor]:
+        return [state[n] for n in names]
+
+    # the receiver loads as a replica's worker does (app/vllm/fast_load.py): one batched copy per bucket,
+    # queued on the device, so the receive never waits on the host for a bucket
+    shapes = {n: tuple(s) for n, s, _ in specs}
+    slots = plan_slots(shapes, shapes, {})
+    if slots is None:
+        raise RuntimeError(f"{size}: SlotLoader cannot place the stand-in's own tensors")
+    load = SlotLoader(state, slots)
+    bucket_bytes = int(args["bucket_mb"] * 2**20)
+    for var in args["variants"]:
+        with variant(var, dev):
+            _time_pushes(group, rank, dev, specs, bucket_bytes, gather, load, size, var, args, out)
+    _time_raw(group, rank, dev, specs, size, args, out)
+    if rank == 0:
+        _profile_pack(dev, specs, bucket_bytes, gather, size, out)
+    if size == args["trace"] and dev.type == "cuda":
+        _trace_push(group, rank, dev, specs, bucket_bytes, gather, load, size, out)
+    group.barrier()
+
+
+def _time_pushes(group, rank, dev, specs, bucket_bytes, gather, load, size, var, args, out) -> None:
+    """`warmup` + `reps` pushes of the whole model through Relay's bucket protocol, each timed on both ends."""
+    warmup = args["warmup"]
+    for i in range(warmup + args["reps"]):
+        plan = plan_buckets(specs, bucket_bytes, version=i)
+        group.barrier()
+        sync_dev(dev)
+        t0 = now()
+        if rank == 0:
+            st = send_buckets(plan, gather, group, dev)
+            sync_dev(dev)
+            rec = {
+                "gather_s": st.gather_s,
+                "pack_s": st.pack_s,
+                "transfer_s": st.transfer_s,
+                "checksums": st.checksums,
+            }
+        else:
+            cks, timing = receive_buckets(plan, group, load, dev)
+            sync_dev(dev)
+            rec = {"recv_transfer_s": timing["transfer_s"], "load_s": timing["load_s"], "checksums": cks}
+        rec.update(t0=t0, t1=now(), rep=i, buckets=len(plan.buckets), nbytes=plan.nbytes)
+        if i >= warmup:
+            out.put({"rank": rank, "size": size, "variant": var, **rec})
+
+
+def _time_raw(group, rank, dev, specs, size, args, out) -> None:
+    """The same bytes as one flat tensor through one raw broadcast: the link's own figure."""
+    numel = sum(torch.Size(s).numel() for _, s, _ in specs)
+    flat = torch.empty(numel, dtype=torch.bfloat16, device=dev)
+    if rank == 0:
+        flat.normal_()
+    opts = torch.distributed.BroadcastOptions()
+    warmup = args["warmup"]
+    for i in range(warmup + args["reps"]):
+        group.barrier()
+        sync_dev(dev)
+        t0 = now()
+        group.pg.broadcast([flat], opts).wait()
+        sync_dev(dev)
+        if i >= warmup:
+            rec = {"t0": t0, "t1": now(), "nbytes": flat.numel() * 2}
+            out.put({"rank": rank, "size": size, "variant": "raw", **rec})
+
+
+def _profile_pack(dev, specs, bucket_bytes, gather, size, out) -> None:
+    """Where the sender's pack time goes: the copies alone, the checksum alone (new and legacy)."""
+    plan = plan_buckets(specs, bucket_bytes, version=0)
+    prof = {"pack_only_s": 0.0, "checksum_s": 0.0, "legacy_checksum_s": 0.0}
+    for _ in range(2):  # the first pass warms the allocator; the second is kept
+        for k in prof:
+            prof[k] = 0.0
+        for b in plan.buckets:
+            tensors = gather([t.name for t in b.tensors])
+            buf = torch.empty(b.numel, dtype=torch.bfloat16, device=dev)
+            sync_dev(dev)
+            t0 = now()
+            pack_into(b, tensors, buf)
+            sync_dev(dev)
+            t1 = now()
+            sync_walk._checksum_sums(buf)
+            sync_dev(dev)
+            t2 = now()
+            legacy_checksum(buf)
+            t3 = now()
+            prof["pack_only_s"] += t1 - t0
+            prof["checksum_s"] += t2 - t1
+            prof["legacy_checksum_s"] += t3 - t2
+    out.put({"rank": 0, "size": size, "variant": "profile", **prof})
+
+
+def _trace_push(group, rank, dev, specs, bucket_bytes, gather, load, size, out) -> None:
+    """One push under the profiler: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plan = plan_buckets(specs, bucket_bytes, version=0)
+    group.barrier()
+    sync_dev(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if rank == 0:
+            send_buckets(plan, gather, group, dev)
+        else:
+            receive_buckets(plan, group, load, dev)
+        sync_dev(dev)
+    out.put({"rank": rank, "size": size, "variant": "trace", "table": profile_table(prof)})
 
 
 # ---------------------------------------------------------------- driver
@@ -323,7 +333,8 @@ def summarize(msgs: list[dict], args: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def main() -> None:
+def parse_args() -> dict[str, Any]:
+    """The workers' settings from the command line (sizes checked)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU (default when CUDA has < 2 GPUs)")
     ap.add_argument("--sizes", default=None, help="comma list of " + ",".join(QWEN2_SHAPES))
@@ -335,13 +346,14 @@ def main() -> None:
     ap.add_argument(
         "--nccl-high-priority", action="store_true", help="the weight group's NCCL stream at high priority"
     )
+    ap.add_argument("--deadline-s", type=float, default=1800.0, help="the whole run's deadline")
     ns = ap.parse_args()
     cpu = ns.cpu or not torch.cuda.is_available() or torch.cuda.device_count() < 2
     sizes = (ns.sizes or ("tiny" if cpu else "0.5B,1.5B,3B,7B")).split(",")
     for s in sizes:
         if s not in QWEN2_SHAPES:
             ap.error(f"unknown size {s!r}; choose from {', '.join(QWEN2_SHAPES)}")
-    args = {
+    return {
         "cpu": cpu,
         "sizes": sizes,
         "bucket_mb": ns.bucket_mb,
@@ -350,44 +362,60 @@ def main() -> None:
         "variants": ns.variants.split(","),
         "trace": ns.trace,
         "nccl_high_priority": ns.nccl_high_priority,
+        "deadline_s": ns.deadline_s,
     }
+
+
+def run_workers(args: dict[str, Any]) -> list[dict]:
+    """The sender and the receiver in two spawned processes: their messages, once both are done. Fails
+    naming the rank and its error, or what was still awaited at `deadline_s`."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
-    t_start = time.time()
+    deadline = time.monotonic() + args["deadline_s"]
     for p in procs:
         p.start()
-    msgs, done = [], 0
-    while done < 2:
-        try:
-            m = out.get(timeout=5)
-        except Exception:
-            if any(p.exitcode not in (None, 0) for p in procs):
+    msgs, done, failure = [], 0, ""
+    try:
+        while done < 2 and not failure:
+            if time.monotonic() > deadline:
+                last = msgs[-1] if msgs else {}
+                failure = (
+                    f"{2 - done} of 2 workers still running after --deadline-s={args['deadline_s']:g} (the "
+                    f"last result: size {last.get('size')}, variant {last.get('variant')})"
+                )
                 break
-            continue
-        if "error" in m:
-            print(f"rank {m['rank']} failed: {m['error']}", file=sys.stderr)
-            break
-        if m.get("done"):
-            done += 1
-        else:
-            msgs.append(m)
-    for p in procs:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-    if done < 2:
-        raise SystemExit("sync_bandwidth: a worker failed (see above)")
-    res = summarize(msgs, args)
-    dev_name = "cpu" if cpu else torch.cuda.get_device_name(0)
+            try:
+                m = out.get(timeout=5)
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    failure = "a worker exited with an error (see above)"
+                continue
+            if "error" in m:
+                failure = f"rank {m['rank']} failed: {m['error']}"
+            elif m.get("done"):
+                done += 1
+            else:
+                msgs.append(m)
+    finally:
+        for p in procs:
+            p.join(30 if not failure else 1)
+            if p.is_alive():
+                p.kill()
+    if failure:
+        raise SystemExit(f"sync_bandwidth: {failure}")
+    return msgs
+
+
+def print_table(res: dict[str, dict], variants: list[str]) -> None:
     for size, row in res.items():
         print(
             f"\n{size}: {row['nbytes'] / 1e9:.2f} GB; raw broadcast {row['raw_ms']:.2f} ms ({row['raw_GBps']:.0f} GB/s)"
         )
-        for var in args["variants"]:
+        for var in variants:
             v = row[var]
             print(
                 f"  {var:8s} push {v['push_ms']:8.2f} ms  x{v['ratio_to_raw']:.2f} raw  {v['buckets']} buckets  "
@@ -396,9 +424,17 @@ def main() -> None:
         print(f"  sender profile (ms): {row['profile_ms']}")
         for who, table in row.pop("trace", {}).items():
             print(f"  one {size} push under the profiler, {who}:\n{table}")
+
+
+def main() -> None:
+    args = parse_args()
+    t_start = time.time()
+    res = summarize(run_workers(args), args)
+    print_table(res, args["variants"])
+    cpu = args["cpu"]
     summary = {
         "bench": "sync_bandwidth",
-        "device": dev_name,
+        "device": "cpu" if cpu else torch.cuda.get_device_name(0),
         "backend": "gloo" if cpu else "nccl",
         "torch": torch.__version__,
         "bucket_mb": args["bucket_mb"],
