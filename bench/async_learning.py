@@ -17,12 +17,12 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import load_config
+from bench.loop_setup import fresh_out_dir, start_local_ray
 
 log = logging.getLogger("bench.async_learning")
 
@@ -65,7 +65,6 @@ def run_both(
     import ray
 
     from app import driver
-    from bench.local_ray import start_local_ray
 
     common = [
         f"train.steps={args.steps}",
@@ -131,8 +130,7 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], max_staleness: float
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_out_dir(args.out)
     curves, ends = run_both(args, out)
     plot = plot_curves(curves, args.max_staleness, out)
     gap = ends["sync"]["val_reward_last"] - ends["fully_async"]["val_reward_last"]

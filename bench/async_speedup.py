@@ -30,12 +30,12 @@ import logging
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.config import load_config
+from bench.loop_setup import fresh_out_dir, start_local_ray
 
 log = logging.getLogger("bench.async_speedup")
 
@@ -224,7 +224,6 @@ def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
     import ray
 
     from app import driver
-    from bench.local_ray import start_local_ray
 
     extra = {
         "fully_async": [
@@ -270,8 +269,7 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     earlier = [last_json_line(p) for p in args.earlier]
-    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_out_dir(args.out)
     common = common_overrides(args, out)
     summary = {
         "bench": "async_speedup",

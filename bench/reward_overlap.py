@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app.config import load_config
 from app.rewards import exact_match
 from bench.async_speedup import write_prompts
+from bench.loop_setup import fresh_out_dir, start_local_ray
 
 log = logging.getLogger("bench.reward_overlap")
 
@@ -214,20 +215,12 @@ def common_overrides(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def start_ray(params_file: Path) -> None:
-    import ray
-
     env = {PARAMS_ENV: str(params_file), "PYTHONPATH": str(Path.cwd())}
     if os.environ.get("PYTHONPATH"):  # e.g. the GPU machine's overlay
         env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
     env["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "1"  # as app.driver.start_ray: no GPU for roles without one
     os.environ.update(env)
-    ray.init(
-        address="local",
-        num_cpus=16,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-    )
+    start_local_ray(env=env)
 
 
 def measure(
@@ -291,8 +284,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     import ray
 
-    out = Path(args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")  # a fresh folder: runs never mix
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh_out_dir(args.out)
     common = common_overrides(args, out)
     params_file = out / "reward_params.json"
     base = {
