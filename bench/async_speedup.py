@@ -116,10 +116,9 @@ SAME = ("prompts", "batch_groups", "n", "max_tokens", "lengths", "gpu", "gpus", 
 """The settings two runs must share for their modes to compare (`--with`)."""
 
 
-def merge_earlier(summary: dict, earlier: list[dict]) -> dict[str, dict]:
-    """This run's modes plus those of `earlier` runs' final JSON lines (this run's win where a mode is in
-    both). Raises ValueError naming the first setting an earlier run does not share with this one."""
-    modes: dict[str, dict] = {}
+def check_comparable(summary: dict, earlier: list[dict]) -> None:
+    """Raises ValueError naming the first setting an earlier run's final JSON line does not share with this
+    run's `summary` (its settings)."""
     for other in earlier:
         for key in SAME:
             if other.get(key) != summary.get(key):
@@ -127,8 +126,14 @@ def merge_earlier(summary: dict, earlier: list[dict]) -> dict[str, dict]:
                     f"an earlier run had {key}={other.get(key)!r}, this one {summary.get(key)!r}: only runs "
                     f"of the same {', '.join(SAME)} compare"
                 )
-        modes.update(other.get("modes", {}))
-    return {**modes, **summary["modes"]}
+
+
+def merge_earlier(modes: dict[str, dict], earlier: list[dict]) -> dict[str, dict]:
+    """This run's `modes` plus those of `earlier` runs (this run's win where a mode is in both)."""
+    merged: dict[str, dict] = {}
+    for other in earlier:
+        merged.update(other.get("modes", {}))
+    return {**merged, **modes}
 
 
 def with_ratios(summary: dict) -> dict:
@@ -192,11 +197,11 @@ def last_json_line(path: str) -> dict:
     return json.loads(lines[-1])
 
 
-def common_overrides(args: argparse.Namespace, out: Path) -> list[str]:
-    """The settings every mode runs with: the same prompts, once each, the same lengths and resources."""
+def common_overrides(args: argparse.Namespace, out: Path) -> tuple[list[str], int]:
+    """The settings every mode runs with (the same prompts, once each, the same lengths and resources), and
+    the number of prompts written (the data may hold fewer than `--prompts`)."""
     data = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "train.jsonl"
     n_prompts = write_prompts(args.cache_dir, data, args.prompts)
-    args.prompts = n_prompts  # what the summary reports: the file may hold fewer
     common = [
         f"data.train={data}",
         "data.epochs=1",
@@ -216,7 +221,7 @@ def common_overrides(args: argparse.Namespace, out: Path) -> list[str]:
         from bench.qwen_shapes import build_model_dir
 
         common += [f"model.path={build_model_dir(args.shape, args.models)}", "model.allow_toy_settings=true"]
-    return common
+    return common, n_prompts
 
 
 def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
@@ -270,10 +275,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     earlier = [last_json_line(p) for p in args.earlier]
     out = fresh_out_dir(args.out)
-    common = common_overrides(args, out)
+    common, n_prompts = common_overrides(args, out)
     summary = {
         "bench": "async_speedup",
-        "prompts": args.prompts,
+        "prompts": n_prompts,
         "batch_groups": args.batch_groups,
         "n": args.n,
         "max_tokens": args.max_tokens,
@@ -285,8 +290,8 @@ def main() -> None:
         "shape": args.shape,
         "overrides": args.overrides,
     }
-    merge_earlier({**summary, "modes": {}}, earlier)  # before the runs: runs that cannot compare fail at once
-    summary["modes"] = merge_earlier({**summary, "modes": run_modes(args, common)}, earlier)
+    check_comparable(summary, earlier)  # before the runs: runs that cannot compare fail at once
+    summary["modes"] = merge_earlier(run_modes(args, common), earlier)
     sys.stdout.write(json.dumps(with_ratios(summary)) + "\n")
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from bench.async_speedup import (
+    check_comparable,
     last_json_line,
     merge_earlier,
     ratios,
@@ -47,7 +48,8 @@ def test_earlier_runs_join_the_ratios_only_when_their_settings_match(tmp_path):
     saved.write_text("2026-11-27 INFO a log line\n" + json.dumps({**head, "modes": {"sync": sync}}) + "\n")
     earlier = [last_json_line(str(saved))]
 
-    summary = {**head, "modes": merge_earlier({**head, "modes": {"one_step_off": off}}, earlier)}
+    check_comparable(head, earlier)
+    summary = {**head, "modes": merge_earlier({"one_step_off": off}, earlier)}
     got = with_ratios(summary)
     # 14335.5 / 11545.2 = 1.2417; 16418.3 / 12201.5 = 1.3456; 17351.32 / 11956.97 = 1.4511
     assert got["ratio_to_sync"] == {"sync": 1.0, "one_step_off": 1.242}
@@ -55,7 +57,7 @@ def test_earlier_runs_join_the_ratios_only_when_their_settings_match(tmp_path):
     assert got["step_ratio_to_sync"] == {"sync": 1.0, "one_step_off": 1.451}
 
     with pytest.raises(ValueError, match="batch_groups=128, this one 64"):
-        merge_earlier({**head, "batch_groups": 64, "modes": {}}, earlier)
+        check_comparable({**head, "batch_groups": 64}, earlier)
     (tmp_path / "empty.out").write_text("no json here\n")
     with pytest.raises(ValueError, match="no JSON line"):
         last_json_line(str(tmp_path / "empty.out"))
