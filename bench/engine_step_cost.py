@@ -110,16 +110,17 @@ async def measure(engine_kw: dict, prompts, points, variants) -> dict:
 
 async def _measure(engine, prompts, points, variants) -> dict:
     await timed_batch(engine, prompts, min(64, points[0][0]), 8, "ours")  # warm-up: kernels, first graphs
-    steps = {}
+    steps, per_step = {}, []
     for k, length in points:
         s = await timed_batch(engine, prompts, k, length, "ours")
-        steps[f"{k}x{length}"] = {"s": round(s, 3), "ms_per_step": round(1e3 * s / length, 2)}
+        per_step.append((k, round(1e3 * s / length, 2)))
+        steps[f"{k}x{length}"] = {"s": round(s, 3), "ms_per_step": per_step[-1][1]}
         log.info("%dx%d: %.2f s, %.2f ms a step", k, length, s, 1e3 * s / length)
     k, length = points[0]
     times = {v: await timed_batch(engine, prompts, k, length, v) for v in variants}
     for v, s in times.items():
         log.info("%s at %dx%d: %.2f s", v, k, length, s)
-    slope = per_seq_ms([(int(p.split("x")[0]), r["ms_per_step"]) for p, r in steps.items()])
+    slope = per_seq_ms(per_step)
     return {
         "points": steps,
         "ms_per_extra_seq": None if slope is None else round(slope, 4),
@@ -177,7 +178,7 @@ def main() -> None:
         dtype=cfg.model.dtype,
         max_model_len=r.max_model_len,
         max_num_seqs=r.max_num_seqs,
-        gpu_memory_utilization=memory_share(r) if args.gpu else 0.9,
+        gpu_memory_utilization=memory_share(r),  # the engine takes it on a GPU only
         seed=cfg.seed,
         use_gpu=args.gpu,
         cuda_graphs=args.gpu and r.cuda_graphs,
