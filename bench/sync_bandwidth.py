@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,28 @@ def _worker(rank: int, port: int, args: dict[str, Any], out: Any) -> None:
     out.put({"rank": rank, "done": True})
 
 
+@dataclass
+class Rig:
+    """One model size on one end of the bench: what every timing of that size uses."""
+
+    group: StatelessGroup
+    rank: int
+    dev: torch.device
+    size: str
+    specs: list[tuple[str, tuple[int, ...], str]]
+    state: dict[str, torch.Tensor]
+    load: SlotLoader
+    bucket_bytes: int
+    args: dict[str, Any]
+    out: Any
+
+    def gather(self, names: list[str]) -> list[torch.Tensor]:
+        return [self.state[n] for n in names]
+
+    def put(self, variant: str, rec: dict[str, Any]) -> None:
+        self.out.put({"rank": self.rank, "size": self.size, "variant": variant, **rec})
+
+
 def _bench_size(group: StatelessGroup, rank: int, dev: torch.device, size: str, args: dict, out: Any) -> None:
     """One model size: every variant's pushes, a raw broadcast of the same bytes, the sender's pack profile
     and (`--trace`) one push under the profiler."""
@@ -175,83 +198,86 @@ def _bench_size(group: StatelessGroup, rank: int, dev: torch.device, size: str, 
         state = {n: torch.randn(s, generator=g, device=dev).to(torch.bfloat16) for n, s, _ in specs}
     else:
         state = {n: torch.empty(s, dtype=torch.bfloat16, device=dev) for n, s, _ in specs}
-
-    def gather(names: list[str]) -> list[torch.Tensor]:
-        return [state[n] for n in names]
-
     # the receiver loads as a replica's worker does (app/vllm/fast_load.py): one batched copy per bucket,
     # queued on the device, so the receive never waits on the host for a bucket
     shapes = {n: tuple(s) for n, s, _ in specs}
     slots = plan_slots(shapes, shapes, {})
     if slots is None:
         raise RuntimeError(f"{size}: SlotLoader cannot place the stand-in's own tensors")
-    load = SlotLoader(state, slots)
     bucket_bytes = int(args["bucket_mb"] * 2**20)
+    rig = Rig(group, rank, dev, size, specs, state, SlotLoader(state, slots), bucket_bytes, args, out)
     for var in args["variants"]:
         with variant(var, dev):
-            _time_pushes(group, rank, dev, specs, bucket_bytes, gather, load, size, var, args, out)
-    _time_raw(group, rank, dev, specs, size, args, out)
+            _time_pushes(rig, var)
+    _time_raw(rig)
     if rank == 0:
-        _profile_pack(dev, specs, bucket_bytes, gather, size, out)
+        _profile_pack(rig)
     if size == args["trace"] and dev.type == "cuda":
-        _trace_push(group, rank, dev, specs, bucket_bytes, gather, load, size, out)
+        _trace_push(rig)
     group.barrier()
 
 
-def _time_pushes(group, rank, dev, specs, bucket_bytes, gather, load, size, var, args, out) -> None:
-    """`warmup` + `reps` pushes of the whole model through Relay's bucket protocol, each timed on both ends."""
-    warmup = args["warmup"]
-    for i in range(warmup + args["reps"]):
-        plan = plan_buckets(specs, bucket_bytes, version=i)
-        group.barrier()
-        sync_dev(dev)
+def _push(rig: Rig, plan: Any) -> Any:
+    """One push of the whole model through Relay's bucket protocol: the sender's stats, or the receiver's
+    (checksums, timing)."""
+    if rig.rank == 0:
+        return send_buckets(plan, rig.gather, rig.group, rig.dev)
+    return receive_buckets(plan, rig.group, rig.load, rig.dev)
+
+
+def _time_pushes(rig: Rig, var: str) -> None:
+    """`warmup` + `reps` pushes, each timed on both ends."""
+    warmup = rig.args["warmup"]
+    for i in range(warmup + rig.args["reps"]):
+        plan = plan_buckets(rig.specs, rig.bucket_bytes, version=i)
+        rig.group.barrier()
+        sync_dev(rig.dev)
         t0 = now()
-        if rank == 0:
-            st = send_buckets(plan, gather, group, dev)
-            sync_dev(dev)
+        got = _push(rig, plan)
+        sync_dev(rig.dev)
+        if rig.rank == 0:
             rec = {
-                "gather_s": st.gather_s,
-                "pack_s": st.pack_s,
-                "transfer_s": st.transfer_s,
-                "checksums": st.checksums,
+                "gather_s": got.gather_s,
+                "pack_s": got.pack_s,
+                "transfer_s": got.transfer_s,
+                "checksums": got.checksums,
             }
         else:
-            cks, timing = receive_buckets(plan, group, load, dev)
-            sync_dev(dev)
+            cks, timing = got
             rec = {"recv_transfer_s": timing["transfer_s"], "load_s": timing["load_s"], "checksums": cks}
         rec.update(t0=t0, t1=now(), rep=i, buckets=len(plan.buckets), nbytes=plan.nbytes)
         if i >= warmup:
-            out.put({"rank": rank, "size": size, "variant": var, **rec})
+            rig.put(var, rec)
 
 
-def _time_raw(group, rank, dev, specs, size, args, out) -> None:
+def _time_raw(rig: Rig) -> None:
     """The same bytes as one flat tensor through one raw broadcast: the link's own figure."""
-    numel = sum(torch.Size(s).numel() for _, s, _ in specs)
-    flat = torch.empty(numel, dtype=torch.bfloat16, device=dev)
-    if rank == 0:
+    numel = sum(torch.Size(s).numel() for _, s, _ in rig.specs)
+    flat = torch.empty(numel, dtype=torch.bfloat16, device=rig.dev)
+    if rig.rank == 0:
         flat.normal_()
     opts = torch.distributed.BroadcastOptions()
-    warmup = args["warmup"]
-    for i in range(warmup + args["reps"]):
-        group.barrier()
-        sync_dev(dev)
+    warmup = rig.args["warmup"]
+    for i in range(warmup + rig.args["reps"]):
+        rig.group.barrier()
+        sync_dev(rig.dev)
         t0 = now()
-        group.pg.broadcast([flat], opts).wait()
-        sync_dev(dev)
+        rig.group.pg.broadcast([flat], opts).wait()
+        sync_dev(rig.dev)
         if i >= warmup:
-            rec = {"t0": t0, "t1": now(), "nbytes": flat.numel() * 2}
-            out.put({"rank": rank, "size": size, "variant": "raw", **rec})
+            rig.put("raw", {"t0": t0, "t1": now(), "nbytes": flat.numel() * 2})
 
 
-def _profile_pack(dev, specs, bucket_bytes, gather, size, out) -> None:
+def _profile_pack(rig: Rig) -> None:
     """Where the sender's pack time goes: the copies alone, the checksum alone (new and legacy)."""
-    plan = plan_buckets(specs, bucket_bytes, version=0)
+    dev = rig.dev
+    plan = plan_buckets(rig.specs, rig.bucket_bytes, version=0)
     prof = {"pack_only_s": 0.0, "checksum_s": 0.0, "legacy_checksum_s": 0.0}
     for _ in range(2):  # the first pass warms the allocator; the second is kept
         for k in prof:
             prof[k] = 0.0
         for b in plan.buckets:
-            tensors = gather([t.name for t in b.tensors])
+            tensors = rig.gather([t.name for t in b.tensors])
             buf = torch.empty(b.numel, dtype=torch.bfloat16, device=dev)
             sync_dev(dev)
             t0 = now()
@@ -266,23 +292,20 @@ def _profile_pack(dev, specs, bucket_bytes, gather, size, out) -> None:
             prof["pack_only_s"] += t1 - t0
             prof["checksum_s"] += t2 - t1
             prof["legacy_checksum_s"] += t3 - t2
-    out.put({"rank": 0, "size": size, "variant": "profile", **prof})
+    rig.put("profile", prof)
 
 
-def _trace_push(group, rank, dev, specs, bucket_bytes, gather, load, size, out) -> None:
+def _trace_push(rig: Rig) -> None:
     """One push under the profiler: where the time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    plan = plan_buckets(specs, bucket_bytes, version=0)
-    group.barrier()
-    sync_dev(dev)
+    plan = plan_buckets(rig.specs, rig.bucket_bytes, version=0)
+    rig.group.barrier()
+    sync_dev(rig.dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        if rank == 0:
-            send_buckets(plan, gather, group, dev)
-        else:
-            receive_buckets(plan, group, load, dev)
-        sync_dev(dev)
-    out.put({"rank": rank, "size": size, "variant": "trace", "table": profile_table(prof)})
+        _push(rig, plan)
+        sync_dev(rig.dev)
+    rig.put("trace", {"table": profile_table(prof)})
 
 
 # ---------------------------------------------------------------- driver
