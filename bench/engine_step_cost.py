@@ -11,12 +11,19 @@ together for L steps and seconds / L is one decode step at batch K. The variants
 other sampling options:
 
     ours    Relay's requests: a seed each, the sampled token's log-prob (`rollout` always asks for both)
+    flat    ours, the log-probs returned in vLLM's flat lists (`flat_logprobs`) instead of a dict a token
     noseed  the log-prob, no seed
     nolp    neither
     greedy  temperature 0, neither
 
 Prints a final JSON line: ms per step at each point, the ms each further sequence adds to a step (a
 least-squares line through the points of batch >= 32), and each variant's time over `nolp`'s.
+
+`--engines N` starts N engines on the one GPU instead (each its own process and engine core, a 1/N share of
+the memory, started one after another) and runs every point on all of them at once: whether the GPU has room
+for more than one engine's decode steps, i.e. whether one engine's step is bound by its own CPU work.
+
+    python bench/engine_step_cost.py --gpu --shape 1.5B --max-num-seqs 256 --engines 2 --points 256x256
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -39,11 +47,12 @@ from app.vllm import engine as vla
 
 log = logging.getLogger("bench.engine_step_cost")
 
-VARIANTS = {  # name: (seeded, logprobs, temperature)
-    "ours": (True, 0, 1.0),
-    "noseed": (False, 0, 1.0),
-    "nolp": (False, None, 1.0),
-    "greedy": (False, None, 0.0),
+VARIANTS = {  # name: (seeded, logprobs, temperature, flat log-probs)
+    "ours": (True, 0, 1.0, False),
+    "flat": (True, 0, 1.0, True),
+    "noseed": (False, 0, 1.0, False),
+    "nolp": (False, None, 1.0, False),
+    "greedy": (False, None, 0.0, False),
 }
 
 
@@ -75,7 +84,7 @@ async def timed_batch(engine, prompts: list[list[int]], k: int, length: int, var
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    seeded, logprobs, temperature = VARIANTS[variant]
+    seeded, logprobs, temperature, flat = VARIANTS[variant]
 
     async def one(i: int) -> None:
         params = SamplingParams(
@@ -87,6 +96,7 @@ async def timed_batch(engine, prompts: list[list[int]], k: int, length: int, var
             seed=1000 + i if seeded else None,
             ignore_eos=True,
             detokenize=False,
+            flat_logprobs=flat,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         prompt = {"prompt_token_ids": prompts[i % len(prompts)]}
@@ -129,6 +139,67 @@ async def _measure(engine, prompts, points, variants) -> dict:
     }
 
 
+def _engine_process(i: int, engine_kw: dict, prompts, points, turn, ready, barrier, results) -> None:
+    """One of `--engines`: start when `turn` is set (after the engine before it is up), say `ready`, then run
+    each point at the same moment as the others (`barrier`) and put (i, [seconds per point]) on `results`."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{i} %(name)s %(message)s")
+
+    async def run() -> list[float]:
+        turn.wait(timeout=900)
+        engine = vla.create_engine(**engine_kw)
+        try:
+            await timed_batch(engine, prompts, min(64, points[0][0]), 8, "ours")
+            ready.set()
+            out = []
+            for k, length in points:
+                barrier.wait(timeout=900)
+                out.append(await timed_batch(engine, prompts, k, length, "ours"))
+            return out
+        finally:
+            vla.shutdown(engine)
+            del engine
+
+    results.put((i, asyncio.run(run())))
+
+
+def measure_shared(engine_kw: dict, prompts, points, n: int, deadline_s: float = 1800.0) -> dict:
+    """`n` engines on one GPU, started in turn, each running every point at once with the others: tokens/s
+    of them all against one engine's (the caller's single-engine run)."""
+    ctx = mp.get_context("spawn")
+    kw = {**engine_kw, "gpu_memory_utilization": engine_kw["gpu_memory_utilization"] / n}
+    turns, readies = [ctx.Event() for _ in range(n)], [ctx.Event() for _ in range(n)]
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_engine_process, args=(i, kw, prompts, points, turns[i], readies[i], barrier, results)
+        )
+        for i in range(n)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for i in range(n):
+            turns[i].set()
+            if not readies[i].wait(timeout=deadline_s):
+                raise TimeoutError(f"engine {i} of {n} did not start within {deadline_s:.0f} s")
+        got = dict(results.get(timeout=deadline_s) for _ in range(n))
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    out = {}
+    for j, (k, length) in enumerate(points):
+        slowest = max(got[i][j] for i in range(n))
+        out[f"{k}x{length}"] = {
+            "s_each": [round(got[i][j], 3) for i in range(n)],
+            "tokens_per_s": round(n * k * length / slowest, 1),
+            "ms_per_step": round(1e3 * slowest / length, 2),
+        }
+        log.info("%d engines x %dx%d: %.2f s, %.0f tokens/s", n, k, length, slowest, n * k * length / slowest)
+    return {"engines": n, "points": out}
+
+
 def model_and_prompts(cfg, shape: str, models: str, prompt_len: int) -> tuple[str, list[list[int]]]:
     """A Qwen2.5-shaped model (random weights, full vocabulary; random prompt ids), or the embedded one with
     its validation prompts."""
@@ -158,6 +229,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens with --shape")
     ap.add_argument("--gpu", action="store_true", help="vLLM on the GPU with CUDA graphs (configs/gpu2.yaml)")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="0: the config's rollout.max_num_seqs")
+    ap.add_argument("--engines", type=int, default=1, help="engines sharing the GPU, each its own process")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     points = parse_points(args.points)
@@ -183,7 +255,10 @@ def main() -> None:
         use_gpu=args.gpu,
         cuda_graphs=args.gpu and r.cuda_graphs,
     )
-    result = asyncio.run(measure(engine_kw, prompts, points, variants))
+    if args.engines > 1:
+        result = measure_shared(engine_kw, prompts, points, args.engines)
+    else:
+        result = asyncio.run(measure(engine_kw, prompts, points, variants))
     head = {"bench": "engine_step_cost", "model": args.shape or "embedded", "gpu": args.gpu}
     sys.stdout.write(json.dumps({**head, "max_num_seqs": r.max_num_seqs, **result}) + "\n")
 
