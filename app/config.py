@@ -37,6 +37,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # Choices are Literal types: OmegaConf (>= 2.4) refuses any other value at load, `typed()` hands out fields
 # typed with them, and each section's check() repeats the membership test for dataclasses built in code.
 Partial = Literal["off", "keep", "resubmit", "finish_on_old"]
+BehaviourLogprobs = Literal["engine", "trainer"]
 OverBound = Literal["train", "regenerate"]
 LossAgg = Literal["token_mean", "seq_mean"]
 KlKind = Literal["k1", "k3", "low_var_kl"]
@@ -333,6 +334,14 @@ class RolloutConfig(_Section):
     sequences of a 1.5B model, docs/benchmarks.md). false keeps the cache (PipelineRL's in-flight update): the
     pause is the load alone, and the tokens after a push attend to keys and values the old weights computed.
     Their behaviour log-probs are what the sampler saw, so the off-policy correction still applies."""
+    behaviour_logprobs: BehaviourLogprobs = "engine"
+    """Where the behaviour log-probs come from. `engine`: vLLM returns each sampled token's (what the sampler
+    saw). `trainer`: vLLM returns none and the trainer's own log-probs at the step's start stand in (verl's
+    recomputed `old_log_prob`): at 512 sequences a step of a 1.5B engine on an H100 is CPU-bound in vLLM's
+    handling of the per-token log-probs, and generation runs about 1.6x faster without them
+    (docs/benchmarks.md, session 28). The trainer's log-probs are the current policy's, not the sampler's:
+    the ratio then corrects neither the vLLM/trainer numerical gap nor one_step_off's one-version lag, so
+    only `algorithm.correction=none` takes it (and `mode=sync`/`one_step_off`)."""
     join_timeout_s: float = 600.0
     """Deadline for a replica started mid-run to receive the current weights before it may serve."""
     replica_cpus: float = 1.0
@@ -658,8 +667,9 @@ class SyncConfig(_Section):
     """Process-group backend of the weight group: gloo on CPU, nccl on GPU."""
     transport: str = "auto"
     """Weight transport (app/weights/transport.py registry): `auto` (`ipc` when trainer and replicas share one
-    GPU, else `broadcast`), `broadcast` (one broadcast per bucket), `ipc` (CUDA IPC handles, trainer and
-    replicas on the same GPU), or a
+    GPU, `pairwise` when replicas share a GPU of their own, else `broadcast`), `broadcast` (one broadcast per
+    bucket), `pairwise` (one broadcast per bucket and receiver, each over its own two-rank group: NCCL holds
+    one rank of a group on a GPU), `ipc` (CUDA IPC handles, trainer and replicas on the same GPU), or a
     `pkg.module:Name` whose module registers or defines it (imported by the trainer and every vLLM worker)."""
     verify: bool = True
     """Compare every replica's checksum of what it loaded with the trainer's."""
@@ -1008,6 +1018,7 @@ class RelayConfig(_Section):
             if isinstance(section, _Section):
                 section.check(f"{prefix}{f.name}.")
         self._check_lora(prefix)
+        self._check_behaviour_logprobs(prefix)
         budget = self.data.max_prompt_tokens + self.rollout.max_tokens
         _check(
             f"{prefix}rollout.max_model_len",
@@ -1044,6 +1055,26 @@ class RelayConfig(_Section):
             self.algorithm.ppo_mini_batch_size <= self.train.batch_groups,
             f"{self.algorithm.ppo_mini_batch_size} > train.batch_groups ({self.train.batch_groups}): a mini-batch "
             "is part of a batch; lower it, or 0 for one optimizer step per batch",
+        )
+
+    def _check_behaviour_logprobs(self, prefix: str) -> None:
+        """`rollout.behaviour_logprobs=trainer` makes the behaviour policy the trainer's at the step's start:
+        an importance weight against it is always 1, and a stale batch would go uncorrected."""
+        if self.rollout.behaviour_logprobs != "trainer":
+            return
+        a = self.algorithm
+        _check(
+            f"{prefix}rollout.behaviour_logprobs",
+            a.correction == "none",
+            f"'trainer' with algorithm.correction={a.correction!r}: the correction weighs each token by the "
+            "trainer's policy over the sampler's, and with the trainer's log-probs standing in for the sampler's "
+            "that weight is always 1; use algorithm.correction=none, or rollout.behaviour_logprobs=engine",
+        )
+        _check(
+            f"{prefix}rollout.behaviour_logprobs",
+            a.mode != "fully_async",
+            "'trainer' with algorithm.mode=fully_async: its batches are up to algorithm.max_staleness versions "
+            "old and only the sampler's own log-probs can correct that; use rollout.behaviour_logprobs=engine",
         )
 
     def _check_lora(self, prefix: str) -> None:

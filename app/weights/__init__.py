@@ -8,6 +8,7 @@ otherwise; nothing here imports vLLM or Ray at import time.
     transport.py  the data-plane seam: `WeightTransport` and its registry (`sync.transport`)
     broadcast.py  the bucketed broadcast transport ("broadcast", the default)
     ipc.py        the CUDA-IPC transport ("ipc": trainer and replicas on one GPU; `sync.transport=auto`)
+    pairwise.py   the broadcast over one two-rank group per receiver ("pairwise": replicas sharing a GPU)
     hub.py        `WeightHub`: membership, epochs, announcements, acknowledgements (an async Ray actor)
     ack_board.py  acknowledgements through the epoch's own TCPStore, each vLLM worker's as soon as it loaded
                   (`answered`), made into each replica's (`replica_acks`): the trainer's short way back
@@ -16,8 +17,9 @@ otherwise; nothing here imports vLLM or Ray at import time.
     shared.py     what the hub and the run control share: waits for a change, calls to an actor or object
     actors.py     both as named Ray actors of one run (Ray)
 
-Importing the package registers the built-in transports ("broadcast", "ipc") in `transport.TRANSPORTS`.
+Importing the package registers the built-in transports ("broadcast", "ipc", "pairwise") in `transport.TRANSPORTS`.
 """
 
 from app.weights import broadcast as broadcast  # registers "broadcast"
 from app.weights import ipc as ipc  # registers "ipc" (trainer and replicas on one GPU)
+from app.weights import pairwise as pairwise  # registers "pairwise" (replicas that share a GPU)

@@ -108,15 +108,29 @@ class StatelessGroup:
         epoch: int = 0,
         device: torch.device | str = "cpu",
         high_priority: bool = False,
+        store: Any = None,
+        tag: str = "",
     ) -> None:
+        """`store`: the epoch's TCPStore, already connected (several groups of one epoch share it: the
+        pairwise transport); else this group connects it (rank 0 hosts it). `tag` names this group among the
+        epoch's groups that share the store (its keys are `relay-weights/{epoch}{tag}/...`)."""
         self.rank, self.world, self.backend, self.timeout = rank, world, backend, timedelta(seconds=timeout_s)
         self.device = torch.device(device)
-        if rank != 0:
+        if store is None and rank != 0:
             wait_for_store(host, port, min(timeout_s, STORE_LISTEN_S), f"epoch {epoch}")
-        self.store = dist.TCPStore(
-            host, port, world_size=world, is_master=rank == 0, timeout=self.timeout, wait_for_workers=False
+        self.store = (
+            store
+            if store is not None
+            else dist.TCPStore(
+                host,
+                port,
+                world_size=world,
+                is_master=rank == 0,
+                timeout=self.timeout,
+                wait_for_workers=False,
+            )
         )
-        prefix = dist.PrefixStore(f"relay-weights/{epoch}", self.store)
+        prefix = dist.PrefixStore(f"relay-weights/{epoch}{tag}", self.store)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(prefix, rank, world, self.timeout)
         elif backend == "nccl":
