@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from app.vllm.start_lock import engine_start_lock
+
 if TYPE_CHECKING:
     from app.vllm.adapters import Adapter
 
@@ -159,7 +161,13 @@ def create_engine(
     fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
     if "logprobs_mode" in fields:
         kwargs["logprobs_mode"] = "processed_logprobs"
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    if not use_gpu:
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    with engine_start_lock(START_LOCK_S):  # replicas sharing a GPU size their KV caches one after another
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+START_LOCK_S = 900.0  # the longest wait for another engine's start on the same GPU (app/vllm/start_lock.py)
 
 
 class _DropMessage(logging.Filter):
@@ -314,13 +322,15 @@ async def generate(
     ignore_eos: bool = False,
     top_k: int = 0,
     stop: list[str] | None = None,
+    logprobs: bool = True,
     adapter: Adapter | None = None,
 ) -> list[dict[str, Any]]:
     """Token-in/token-out sampling. Each sample: token_ids, logprobs (of the sampled tokens), finish_reason,
     versions (one per token: native per-token version spans where vLLM has them, else the replica's).
     `top_k` 0 is off; `stop` strings end a response (vLLM checks them on the detokenized text, so only a
     request with stop strings is detokenized; the tokens that produced the string stay in the sample). With
-    a LoRA `adapter` every token is sampled by it: each carries its version."""
+    a LoRA `adapter` every token is sampled by it: each carries its version. `logprobs` false: the engine
+    computes no log-probs and each sample's are 0.0 (`rollout.behaviour_logprobs=trainer`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -333,11 +343,12 @@ async def generate(
         top_p=top_p,
         top_k=top_k,
         stop=list(stop) if stop else None,
-        logprobs=0,
+        logprobs=0 if logprobs else None,
         seed=seed,
         output_kind=RequestOutputKind.FINAL_ONLY,
         detokenize=bool(stop),
         ignore_eos=ignore_eos,
+        **(_flat_logprobs(SamplingParams) if logprobs else {}),
     )
     final, request_id, book = None, uuid.uuid4().hex, _book(engine)
     try:
@@ -354,17 +365,34 @@ async def generate(
             book.forget(request_id)
 
 
+@functools.cache
+def _flat_logprobs(params_cls: type) -> dict[str, Any]:
+    """`flat_logprobs=True` where vLLM has it: the log-probs come back as a few flat lists instead of a dict
+    and a `Logprob` per token, which the engine's output handler builds for every sequence at every decode
+    step (at 512 sequences that handler, not the GPU, bounds generation: docs/benchmarks.md, session 28)."""
+    fields = getattr(params_cls, "__struct_fields__", ()) or getattr(params_cls, "__dataclass_fields__", {})
+    return {"flat_logprobs": True} if "flat_logprobs" in fields else {}
+
+
+def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token in `ids`: from vLLM's flat lists (`flat_logprobs`, one entry a
+    position where only the sampled token's is asked for) or from its dict a position; 0.0 each where the
+    engine returned none."""
+    if not logprobs:
+        return [0.0] * len(ids)
+    flat = getattr(logprobs, "start_indices", None)
+    if flat is not None and len(flat) == len(ids) and list(logprobs.token_ids[s] for s in flat) == ids:
+        return [float(logprobs.logprobs[s]) for s in flat]
+    return [float(logprobs[i][t].logprob) for i, t in enumerate(ids)]
+
+
 def _samples(
     final: Any, version: int, book: _Book | None, request_id: str, one_version: bool = False
 ) -> list[dict[str, Any]]:
     samples = []
     for comp in final.outputs:
         ids = list(comp.token_ids)
-        lps = (
-            [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-            if comp.logprobs
-            else [0.0] * len(ids)
-        )
+        lps = sampled_logprobs(comp.logprobs, ids)
         samples.append(
             {
                 "token_ids": ids,
