@@ -189,6 +189,8 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)  # strings that end a response (its tokens are kept)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: bool = True
+    """Return each sampled token's behaviour log-prob; false: 0.0 each (`rollout.behaviour_logprobs=trainer`)."""
     adapter: int | None = None
     """LoRA: the adapter version to generate with; None: the newest the replica holds when it admits the
     request (every token then carries that version)."""

@@ -156,6 +156,7 @@ class RolloutServer:
                 version=self.version,
                 seed=req.seed,
                 ignore_eos=req.ignore_eos,
+                logprobs=req.logprobs,
                 adapter=adapter,
             )
 

@@ -65,3 +65,47 @@ def test_toy_loss_variant_trains_through_the_registry(tmp_path, monkeypatch):
     assert m["actor/is_weight_mean"] == pytest.approx(toy_loss.WEIGHT)  # with its own metric tensors
     assert m["actor/clip_frac"] == 0.0 and m["train/skipped_steps"] == 0.0
     assert any(not torch.equal(before[n], p) for n, p in learner.model.named_parameters())  # it trained
+
+
+def test_trainer_behaviour_logprobs_stand_in_for_the_engines(tmp_path):
+    """`rollout.behaviour_logprobs=trainer`: the batch's own log-probs (here made-up values a sampler never
+    gave) are ignored; the trainer's at the step's start stand in, so the ratio is 1 (nothing clipped, no
+    mismatch) and the policy loss is -mean(A) over the tokens, by hand: advantages +-1, two tokens a sample,
+    the same count of each sign -> 0 up to the token-mean's weighting of equal-length responses."""
+    from app.trainer.learner import Learner, stand_in_behaviour
+
+    logp, prox = torch.tensor([[-1.0, -2.0]], requires_grad=True), torch.tensor([[-0.5, -0.25]])
+    assert (
+        stand_in_behaviour(logp, None).tolist() == [[-1.0, -2.0]]
+        and not stand_in_behaviour(logp, None).requires_grad
+    )
+    assert stand_in_behaviour(logp, prox) is not prox and stand_in_behaviour(logp, prox).tolist() == [
+        [-0.5, -0.25]
+    ]
+
+    path, tok, prompt = _setup(tmp_path)
+    eight, one = tok.convert_tokens_to_ids("8"), tok.convert_tokens_to_ids("1")
+    keys = ["train.lr=0.01", "train.micro_batch_size=4"]
+    engine = Learner(load_config(None, keys), path, torch.device("cpu"))
+    m_engine = engine.step(
+        _batch(eight, one, tok.eos_token_id, prompt)
+    )  # made-up log-probs: ratios far off 1
+    assert m_engine["actor/logprob_mismatch"] > 0.1
+    trainer = Learner(
+        load_config(None, [*keys, "rollout.behaviour_logprobs=trainer"]), path, torch.device("cpu")
+    )
+    m = trainer.step(_batch(eight, one, tok.eos_token_id, prompt))
+    assert m["actor/clip_frac"] == 0.0 and m["actor/logprob_mismatch"] == 0.0
+    assert m["actor/is_weight_mean"] == pytest.approx(1.0)
+    assert m["loss/policy"] == pytest.approx(0.0, abs=1e-6)  # ratio 1: sum of -A over balanced groups
+
+
+def test_trainer_behaviour_logprobs_refused_where_a_correction_needs_the_samplers():
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="algorithm.correction=none"):
+        load_config(None, ["rollout.behaviour_logprobs=trainer", "algorithm.correction=tis"])
+    with pytest.raises(ConfigError, match="fully_async"):
+        load_config(None, ["rollout.behaviour_logprobs=trainer", "algorithm.mode=fully_async"])
+    cfg = load_config(None, ["rollout.behaviour_logprobs=trainer", "algorithm.mode=one_step_off"])
+    assert cfg.rollout.behaviour_logprobs == "trainer"

@@ -142,6 +142,7 @@ class GroupGenerator:
             stop=list(self.s.stop),
             seed=seed,
             ignore_eos=self.s.ignore_eos,
+            logprobs=getattr(self.s, "behaviour_logprobs", "engine") == "engine",
         )
         key = prompt.key if train else f"val:{prompt.uid}"
         if prompt.partial:

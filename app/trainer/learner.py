@@ -300,6 +300,13 @@ def row_values(mb: dict[str, Any], grid: torch.Tensor, i: int, row: Row) -> list
 _SUMS = ("loss", "kl", "entropy", "clipped", "tokens", "mismatch", "is_weight", "ppo_kl")
 
 
+def stand_in_behaviour(logprobs: torch.Tensor, proximal: torch.Tensor | None) -> torch.Tensor:
+    """`rollout.behaviour_logprobs=trainer`: the behaviour log-probs are the trainer's at the step's start, the
+    proximal pass's where a batch takes several optimizer steps, else this forward's (detached, no extra
+    pass). The ratio to them is then PPO's trust region alone (1 at a batch's first step)."""
+    return (logprobs if proximal is None else proximal).detach()
+
+
 @dataclass
 class _Update:
     """One optimizer step's micro-batches on this rank, on the device. `n_micro` passes run on every rank;
@@ -371,6 +378,8 @@ class Learner:
         hf = AutoConfig.from_pretrained(model_path)
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
         self.loss_fn = resolve("algorithm.correction", cfg.algorithm.correction, LOSSES)
+        # rollout.behaviour_logprobs=trainer: the engine returned none; the step's start policy stands in
+        self.engine_behaviour = getattr(cfg.rollout, "behaviour_logprobs", "engine") == "engine"
 
     def step(self, batch: Batch) -> dict[str, float]:
         """Train on `batch` (collective: every rank calls it with the same batch): one optimizer step per
@@ -485,10 +494,11 @@ class Learner:
         bonus = a.entropy_coef > 0
         logp, ent = self.logprobs(self.model, mb, self.cfg.train.log_entropy or bonus, entropy_grad=bonus)
         prox = mb.get("prox")
+        behaviour = mb["old"] if self.engine_behaviour else stand_in_behaviour(logp, prox)
         out = self.loss_fn(
             LossInputs(
                 logprobs=logp,
-                behaviour_logprobs=mb["old"],
+                behaviour_logprobs=behaviour,
                 advantages=mb["adv"],
                 mask=mb["mask"],
                 proximal_logprobs=prox,
@@ -511,7 +521,7 @@ class Learner:
             ent = torch.zeros_like(m) if ent is None else ent.detach()
             drift = torch.zeros_like(m) if prox is None else prox - logp.detach()
             per_tok = (out.loss_tok, kl_tok, ent, out.clipped.float(), torch.ones_like(m))
-            per_tok += ((logp - mb["old"]).abs(), out.is_weight, drift)
+            per_tok += ((logp - behaviour).abs(), out.is_weight, drift)
             vals = torch.stack([(x * m).sum() for x in per_tok])
             w_max = torch.where(m > 0, out.is_weight, torch.zeros_like(m)).max()  # weights are >= 0
             return torch.cat([vals, w_max[None]]).double()

@@ -62,9 +62,35 @@ async def _check(model: str) -> dict:
         together = await _sample(engine, PROMPTS, SEEDS, True)
         alone = await _sample(engine, PROMPTS, SEEDS, False)
         reverse = (await _sample(engine, PROMPTS[::-1], SEEDS[::-1], True))[::-1]
+        logprobs = await _logprob_paths(engine)
     finally:
         engine.shutdown()
-    return {"together": together, "alone": alone, "reverse": reverse}
+    return {"together": together, "alone": alone, "reverse": reverse, **logprobs}
+
+
+async def _logprob_paths(engine) -> dict:
+    """One seeded request three ways: vLLM's dict a token (plain SamplingParams), Relay's `generate` (flat
+    lists where vLLM has them), and `generate` without log-probs (`rollout.behaviour_logprobs=trainer`)."""
+    from vllm import SamplingParams
+
+    from app.vllm import engine as vla
+
+    params = SamplingParams(n=1, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, logprobs=0)
+    final = None
+    async for out in engine.generate({"prompt_token_ids": PROMPTS[0]}, params, uuid.uuid4().hex):
+        final = out
+    comp = final.outputs[0]
+    dicts = [comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)]
+    kw = dict(n=1, max_tokens=12, temperature=1.0, top_p=1.0, version=0, seed=5, ignore_eos=True)
+    relay = (await vla.generate(engine, PROMPTS[0], **kw))[0]
+    none = (await vla.generate(engine, PROMPTS[0], logprobs=False, **kw))[0]
+    return {
+        "dict_ids": list(comp.token_ids),
+        "dict_lps": dicts,
+        "flat": type(comp.logprobs).__name__,
+        "relay": relay,
+        "none": none,
+    }
 
 
 def test_seeded_requests_survive_chunked_prefill_and_do_not_depend_on_batching(cache_dir):
@@ -94,6 +120,11 @@ def test_seeded_requests_survive_chunked_prefill_and_do_not_depend_on_batching(c
     got = json.loads(out.read_text())
     assert all(len(t) == 24 for t in got["together"]), got
     assert got["together"] == got["alone"] == got["reverse"], got
+    # Relay's log-probs (flat lists) are vLLM's own, token for token; without them the tokens do not change
+    relay, none = got["relay"], got["none"]
+    assert relay["token_ids"] == none["token_ids"] == got["dict_ids"], got
+    assert relay["logprobs"] == got["dict_lps"] and all(lp < 0 for lp in relay["logprobs"]), got
+    assert none["logprobs"] == [0.0] * 12, none
 
 
 if __name__ == "__main__":
