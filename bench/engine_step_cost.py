@@ -24,6 +24,10 @@ the memory, started one after another) and runs every point on all of them at on
 for more than one engine's decode steps, i.e. whether one engine's step is bound by its own CPU work.
 
     python bench/engine_step_cost.py --gpu --shape 1.5B --max-num-seqs 256 --engines 2 --points 256x256
+
+`--pareto GROUPSxN:ALPHA:MIN:MAX` runs the variants on a long-tailed batch instead of the first point: the loop
+bench's shape (`128x8:1.2:64:1024`: 128 groups of 8 sharing a Pareto length to 1,024 tokens), whose last
+sequences decode alone; with `--engines`, every N-th request goes to each engine.
 """
 
 from __future__ import annotations
@@ -56,6 +60,21 @@ VARIANTS = {  # name: (seeded, logprobs, temperature, flat log-probs)
 }
 
 
+def pareto_lengths(spec: str, seed: int = 0) -> list[int]:
+    """`128x8:1.2:64:1024` -> 1,024 response lengths: 128 groups of 8 samples sharing one length each,
+    min(MAX, int(MIN x Pareto(ALPHA))), seeded (session 27's draw of the loop bench's shape)."""
+    import random
+
+    try:
+        shape, alpha, low, high = spec.split(":")
+        groups, _, n = shape.partition("x")
+        g, k, a, lo, hi = int(groups), int(n), float(alpha), int(low), int(high)
+    except ValueError:
+        raise ValueError(f"--pareto {spec!r}: use GROUPSxN:ALPHA:MIN:MAX, e.g. 128x8:1.2:64:1024") from None
+    rng = random.Random(seed)
+    return [x for _ in range(g) for x in [min(hi, int(lo * (1 - rng.random()) ** (-1 / a)))] * k]
+
+
 def parse_points(spec: str) -> list[tuple[int, int]]:
     """`512x256,32x1024` -> [(512, 256), (32, 1024)]: (requests at once, tokens each)."""
     out = []
@@ -79,8 +98,11 @@ def per_seq_ms(points: list[tuple[int, float]], min_batch: int = 32) -> float | 
     return sum((k - mk) * (m - mm) for k, m in pts) / sum((k - mk) ** 2 for k, _ in pts)
 
 
-async def timed_batch(engine, prompts: list[list[int]], k: int, length: int, variant: str) -> float:
-    """Seconds for `k` requests of exactly `length` tokens each, all sent at once."""
+async def timed_batch(
+    engine, prompts: list[list[int]], k: int, length: int | list[int], variant: str
+) -> float:
+    """Seconds for `k` requests of exactly `length` tokens each (request i: `length[i]` where a list), all sent
+    at once."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -89,7 +111,7 @@ async def timed_batch(engine, prompts: list[list[int]], k: int, length: int, var
     async def one(i: int) -> None:
         params = SamplingParams(
             n=1,
-            max_tokens=length,
+            max_tokens=length[i] if isinstance(length, list) else length,
             temperature=temperature,
             top_p=1.0,
             logprobs=logprobs,
@@ -108,17 +130,18 @@ async def timed_batch(engine, prompts: list[list[int]], k: int, length: int, var
     return time.perf_counter() - t0
 
 
-async def measure(engine_kw: dict, prompts, points, variants) -> dict:
-    """Each point with Relay's requests, then each variant at the first point, on one engine."""
+async def measure(engine_kw: dict, prompts, points, variants, pareto: list[int] | None = None) -> dict:
+    """Each point with Relay's requests, then each variant at the first point (on the `pareto` batch where
+    given), on one engine."""
     engine = vla.create_engine(**engine_kw)  # inside the loop: the engine's output handler runs on it
     try:
-        return await _measure(engine, prompts, points, variants)
+        return await _measure(engine, prompts, points, variants, pareto)
     finally:
         vla.shutdown(engine)
         del engine  # while the interpreter is whole: AsyncLLM.__del__ shuts down again
 
 
-async def _measure(engine, prompts, points, variants) -> dict:
+async def _measure(engine, prompts, points, variants, pareto: list[int] | None = None) -> dict:
     await timed_batch(engine, prompts, min(64, points[0][0]), 8, "ours")  # warm-up: kernels, first graphs
     steps, per_step = {}, []
     for k, length in points:
@@ -127,33 +150,36 @@ async def _measure(engine, prompts, points, variants) -> dict:
         steps[f"{k}x{length}"] = {"s": round(s, 3), "ms_per_step": per_step[-1][1]}
         log.info("%dx%d: %.2f s, %.2f ms a step", k, length, s, 1e3 * s / length)
     k, length = points[0]
-    times = {v: await timed_batch(engine, prompts, k, length, v) for v in variants}
+    batch = (len(pareto), pareto) if pareto else (k, length)
+    times = {v: await timed_batch(engine, prompts, *batch, v) for v in variants}
     for v, s in times.items():
-        log.info("%s at %dx%d: %.2f s", v, k, length, s)
+        log.info("%s at %s: %.2f s", v, "the Pareto batch" if pareto else f"{k}x{length}", s)
     slope = per_seq_ms(per_step)
     return {
         "points": steps,
         "ms_per_extra_seq": None if slope is None else round(slope, 4),
         "variants_s": {v: round(s, 3) for v, s in times.items()},
         "over_nolp": {v: round(s / times["nolp"], 3) for v, s in times.items()} if "nolp" in times else {},
+        **({"pareto_tokens": sum(pareto)} if pareto else {}),
     }
 
 
-def _engine_process(i: int, engine_kw: dict, prompts, points, turn, ready, barrier, results) -> None:
+def _engine_process(i: int, engine_kw: dict, prompts, jobs, turn, ready, barrier, results) -> None:
     """One of `--engines`: start when `turn` is set (after the engine before it is up), say `ready`, then run
-    each point at the same moment as the others (`barrier`) and put (i, [seconds per point]) on `results`."""
+    each job (k, length or lengths, variant) at the same moment as the others (`barrier`) and put (i, [seconds
+    per job]) on `results`."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{i} %(name)s %(message)s")
 
     async def run() -> list[float]:
         turn.wait(timeout=900)
         engine = vla.create_engine(**engine_kw)
         try:
-            await timed_batch(engine, prompts, min(64, points[0][0]), 8, "ours")
+            await timed_batch(engine, prompts, 64, 8, "ours")
             ready.set()
             out = []
-            for k, length in points:
+            for k, length, variant in jobs:
                 barrier.wait(timeout=900)
-                out.append(await timed_batch(engine, prompts, k, length, "ours"))
+                out.append(await timed_batch(engine, prompts, k, length, variant))
             return out
         finally:
             vla.shutdown(engine)
@@ -162,16 +188,23 @@ def _engine_process(i: int, engine_kw: dict, prompts, points, turn, ready, barri
     results.put((i, asyncio.run(run())))
 
 
-def measure_shared(engine_kw: dict, prompts, points, n: int, deadline_s: float = 1800.0) -> dict:
-    """`n` engines on one GPU, started in turn, each running every point at once with the others: tokens/s
-    of them all against one engine's (the caller's single-engine run)."""
+def measure_shared(
+    engine_kw: dict, prompts, points, n: int, variants=(), pareto: list[int] | None = None, deadline_s=1800.0
+) -> dict:
+    """`n` engines on one GPU, started in turn, each running every point at once with the others, then (with
+    `pareto`) every N-th request of the Pareto batch in each variant: tokens/s of them all against one
+    engine's (the caller's single-engine run)."""
+    jobs = [[(k, length, "ours") for k, length in points] for _ in range(n)]
+    if pareto:
+        for i in range(n):
+            jobs[i] += [(len(pareto[i::n]), pareto[i::n], v) for v in variants]
     ctx = mp.get_context("spawn")
     kw = {**engine_kw, "gpu_memory_utilization": engine_kw["gpu_memory_utilization"] / n}
     turns, readies = [ctx.Event() for _ in range(n)], [ctx.Event() for _ in range(n)]
     barrier, results = ctx.Barrier(n), ctx.Queue()
     procs = [
         ctx.Process(
-            target=_engine_process, args=(i, kw, prompts, points, turns[i], readies[i], barrier, results)
+            target=_engine_process, args=(i, kw, prompts, jobs[i], turns[i], readies[i], barrier, results)
         )
         for i in range(n)
     ]
@@ -197,7 +230,11 @@ def measure_shared(engine_kw: dict, prompts, points, n: int, deadline_s: float =
             "ms_per_step": round(1e3 * slowest / length, 2),
         }
         log.info("%d engines x %dx%d: %.2f s, %.0f tokens/s", n, k, length, slowest, n * k * length / slowest)
-    return {"engines": n, "points": out}
+    for j, v in enumerate(variants if pareto else (), start=len(points)):
+        slowest = max(got[i][j] for i in range(n))
+        out[f"pareto/{v}"] = {"s_each": [round(got[i][j], 3) for i in range(n)], "s": round(slowest, 3)}
+        log.info("%d engines, the Pareto batch, %s: %.2f s", n, v, slowest)
+    return {"engines": n, "points": out, **({"pareto_tokens": sum(pareto)} if pareto else {})}
 
 
 def model_and_prompts(cfg, shape: str, models: str, prompt_len: int) -> tuple[str, list[list[int]]]:
@@ -230,13 +267,17 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="vLLM on the GPU with CUDA graphs (configs/gpu2.yaml)")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="0: the config's rollout.max_num_seqs")
     ap.add_argument("--engines", type=int, default=1, help="engines sharing the GPU, each its own process")
+    ap.add_argument(
+        "--pareto", default="", help="GROUPSxN:ALPHA:MIN:MAX: the variants run on this long-tailed batch"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     points = parse_points(args.points)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if unknown := [v for v in variants if v not in VARIANTS]:
         ap.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
-    longest = max(length for _, length in points)
+    pareto = pareto_lengths(args.pareto) if args.pareto else None
+    longest = max([length for _, length in points] + (pareto or []))
     overrides = ["ray.name=bench", f"rollout.max_model_len={args.prompt_len + longest + 64}"]
     if args.max_num_seqs:
         overrides.append(f"rollout.max_num_seqs={args.max_num_seqs}")
@@ -256,9 +297,9 @@ def main() -> None:
         cuda_graphs=args.gpu and r.cuda_graphs,
     )
     if args.engines > 1:
-        result = measure_shared(engine_kw, prompts, points, args.engines)
+        result = measure_shared(engine_kw, prompts, points, args.engines, variants, pareto)
     else:
-        result = asyncio.run(measure(engine_kw, prompts, points, variants))
+        result = asyncio.run(measure(engine_kw, prompts, points, variants, pareto))
     head = {"bench": "engine_step_cost", "model": args.shape or "embedded", "gpu": args.gpu}
     sys.stdout.write(json.dumps({**head, "max_num_seqs": r.max_num_seqs, **result}) + "\n")
 

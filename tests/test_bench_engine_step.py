@@ -26,3 +26,16 @@ def test_per_seq_ms_fits_the_points_of_large_batches_only():
     assert math.isclose(per_seq_ms(pts), 2956.8 / 76458.67, rel_tol=1e-4)
     assert per_seq_ms([(512, 23.2), (8, 3.1)]) is None  # one batch >= 32: no line
     assert per_seq_ms([(64, 5.0), (32, 4.0)]) == pytest.approx(1 / 32)
+
+
+def test_pareto_lengths_draw_groups_of_one_length_within_bounds():
+    from bench.engine_step_cost import pareto_lengths
+
+    lens = pareto_lengths("128x8:1.2:64:1024")
+    assert len(lens) == 1024 and min(lens) >= 64 and max(lens) <= 1024
+    assert all(len(set(lens[g * 8 : g * 8 + 8])) == 1 for g in range(128))  # a group shares its length
+    assert lens == pareto_lengths("128x8:1.2:64:1024")  # seeded: the same draw each run
+    # min(MAX, int(MIN x U^(-1/ALPHA))) with U in (0, 1]: U = 1 gives MIN; a tiny U is capped at MAX
+    assert pareto_lengths("1x2:1.0:5:5") == [5, 5]
+    with pytest.raises(ValueError, match="GROUPSxN:ALPHA:MIN:MAX"):
+        pareto_lengths("128x8:1.2")
