@@ -338,8 +338,8 @@ class RolloutConfig(_Section):
     """Where the behaviour log-probs come from. `engine`: vLLM returns each sampled token's (what the sampler
     saw). `trainer`: vLLM returns none and the trainer's own log-probs at the step's start stand in (verl's
     recomputed `old_log_prob`): at 512 sequences a step of a 1.5B engine on an H100 is CPU-bound in vLLM's
-    handling of the per-token log-probs, and generation runs about 1.6x faster without them
-    (docs/benchmarks.md, session 28). The trainer's log-probs are the current policy's, not the sampler's:
+    handling of the per-token log-probs; without them a 512-sequence step ran 1.6x faster and a long-tailed
+    batch 1.46x (docs/benchmarks.md, session 28). The trainer's log-probs are the current policy's, not the sampler's:
     the ratio then corrects neither the vLLM/trainer numerical gap nor one_step_off's one-version lag, so
     only `algorithm.correction=none` takes it (and `mode=sync`/`one_step_off`)."""
     join_timeout_s: float = 600.0

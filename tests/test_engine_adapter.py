@@ -211,35 +211,12 @@ def test_top_k_and_stop_strings_reach_sampling_params(top_k, stop) -> None:
     assert out[0]["token_ids"] == [4, 5] and out[0]["finish_reason"] == "stop"
 
 
-class _Flat:
-    """vLLM's FlatLogprobs as `generate` reads it (`flat_logprobs=True`): one entry a position, the sampled
-    token's, in flat lists."""
-
-    def __init__(self, ids: list[int], lps: list[float]) -> None:
-        self.start_indices, self.token_ids, self.logprobs = list(range(len(ids))), ids, lps
-
-    def __len__(self) -> int:
-        return len(self.start_indices)
-
-
 class _Lp:
     def __init__(self, logprob: float) -> None:
         self.logprob = logprob
 
 
-def test_sampled_logprobs_from_flat_lists_or_dicts():
-    assert vla.sampled_logprobs(_Flat([5, 7], [-0.5, -1.25]), [5, 7]) == [-0.5, -1.25]
-    # a dict a position (vLLM without flat_logprobs): the sampled token's entry
+def test_sampled_logprobs_from_vllms_dict_a_position_or_none():
+    # a dict a position: the sampled token's entry (the top-k may hold others)
     assert vla.sampled_logprobs([{5: _Lp(-0.5), 9: _Lp(-3.0)}, {7: _Lp(-1.25)}], [5, 7]) == [-0.5, -1.25]
-    assert vla.sampled_logprobs(None, [1, 2]) == [0.0, 0.0]
-
-
-def test_flat_logprobs_asked_only_where_the_sampling_params_have_it():
-    class WithFlat:
-        __struct_fields__ = ("n", "flat_logprobs")
-
-    class Without:
-        __struct_fields__ = ("n",)
-
-    assert vla._flat_logprobs(WithFlat) == {"flat_logprobs": True}
-    assert vla._flat_logprobs(Without) == {}
+    assert vla.sampled_logprobs(None, [1, 2]) == [0.0, 0.0]  # rollout.behaviour_logprobs=trainer

@@ -348,7 +348,6 @@ async def generate(
         output_kind=RequestOutputKind.FINAL_ONLY,
         detokenize=bool(stop),
         ignore_eos=ignore_eos,
-        **(_flat_logprobs(SamplingParams) if logprobs else {}),
     )
     final, request_id, book = None, uuid.uuid4().hex, _book(engine)
     try:
@@ -365,24 +364,13 @@ async def generate(
             book.forget(request_id)
 
 
-@functools.cache
-def _flat_logprobs(params_cls: type) -> dict[str, Any]:
-    """`flat_logprobs=True` where vLLM has it: the log-probs come back as a few flat lists instead of a dict
-    and a `Logprob` per token, which the engine's output handler builds for every sequence at every decode
-    step (at 512 sequences that handler, not the GPU, bounds generation: docs/benchmarks.md, session 28)."""
-    fields = getattr(params_cls, "__struct_fields__", ()) or getattr(params_cls, "__dataclass_fields__", {})
-    return {"flat_logprobs": True} if "flat_logprobs" in fields else {}
-
-
 def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
-    """The log-prob of each sampled token in `ids`: from vLLM's flat lists (`flat_logprobs`, one entry a
-    position where only the sampled token's is asked for) or from its dict a position; 0.0 each where the
-    engine returned none."""
+    """The log-prob of each sampled token in `ids` (vLLM's dict a position holds the sampled token's); 0.0 each
+    where the engine returned none (`rollout.behaviour_logprobs=trainer`). vLLM's `flat_logprobs` lists were
+    tried (session 28) and not taken: 7% faster at 512 x 256 on an H200, 14% slower on the long-tailed batch on
+    an H100, one run each."""
     if not logprobs:
         return [0.0] * len(ids)
-    flat = getattr(logprobs, "start_indices", None)
-    if flat is not None and len(flat) == len(ids) and list(logprobs.token_ids[s] for s in flat) == ids:
-        return [float(logprobs.logprobs[s]) for s in flat]
     return [float(logprobs[i][t].logprob) for i, t in enumerate(ids)]
 
 
