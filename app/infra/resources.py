@@ -357,8 +357,7 @@ def check_nccl_devices(cfg: Any, transport: str) -> None:
     r = cfg.rollout
     if (
         transport == "broadcast"
-        and 0 < r.replica_gpus < 1
-        and r.max_replicas > 1
+        and replicas_share_gpus(r.replica_gpus, r.max_replicas)
         and cfg.sync.backend != "gloo"
     ):
         raise ResourceError(
@@ -380,12 +379,13 @@ def memory_share(rollout: Any) -> float:
     share = worker_share(rollout)
     if not 0 < share < 1:
         return 0.9
-    return round(0.8 * share, 4) if replicas_share_gpus(rollout) else share
+    shared = replicas_share_gpus(rollout.replica_gpus, getattr(rollout, "max_replicas", 1))
+    return round(0.8 * share, 4) if shared else share
 
 
-def replicas_share_gpus(rollout: Any) -> bool:
+def replicas_share_gpus(replica_gpus: float, max_replicas: int) -> bool:
     """Whether two GPU replicas of the deployment may land on one GPU (a share under one, several replicas)."""
-    return 0 < float(rollout.replica_gpus) < 1 and int(getattr(rollout, "max_replicas", 1)) > 1
+    return 0 < float(replica_gpus) < 1 and int(max_replicas) > 1
 
 
 def auto_transport(cfg: Any, cluster: dict[str, float], overrides: dict[str, Any] | None = None) -> str:
@@ -401,5 +401,7 @@ def auto_transport(cfg: Any, cluster: dict[str, float], overrides: dict[str, Any
     if shared:
         return "ipc"
     # NCCL holds one rank of a group on one GPU: replicas sharing a GPU each get their own pair with rank 0
-    pairs = use_gpu and 0 < replica_gpus < 1 and cfg.rollout.max_replicas > 1 and cfg.sync.backend != "gloo"
+    pairs = (
+        use_gpu and replicas_share_gpus(replica_gpus, cfg.rollout.max_replicas) and cfg.sync.backend != "gloo"
+    )
     return "pairwise" if pairs else "broadcast"
