@@ -8,6 +8,7 @@ would otherwise load weights in the middle of generation, silently mixing two po
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -113,6 +114,9 @@ def cpu_env(kv_cache_gib: float) -> dict[str, str]:
     }
 
 
+START_LOCK_S = 900.0  # the longest wait for another engine's start on the same GPU (app/vllm/start_lock.py)
+
+
 def create_engine(
     model_path: str,
     *,
@@ -161,13 +165,9 @@ def create_engine(
     fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
     if "logprobs_mode" in fields:
         kwargs["logprobs_mode"] = "processed_logprobs"
-    if not use_gpu:
+    # on a GPU, replicas sharing it size their KV caches one after another
+    with engine_start_lock(START_LOCK_S) if use_gpu else contextlib.nullcontext():
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    with engine_start_lock(START_LOCK_S):  # replicas sharing a GPU size their KV caches one after another
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-
-
-START_LOCK_S = 900.0  # the longest wait for another engine's start on the same GPU (app/vllm/start_lock.py)
 
 
 class _DropMessage(logging.Filter):
