@@ -20,7 +20,7 @@ Prints a final JSON line: ms per step at each point, the ms each further sequenc
 least-squares line through the points of batch >= 32), and each variant's time over `nolp`'s.
 
 `--engines N` starts N engines on the one GPU instead (each its own process and engine core, a 1/N share of
-the memory, started one after another) and runs every point on all of them at once: whether the GPU has room
+the memory, started one after another by the engine's per-GPU start lock) and runs every point on all of them at once: whether the GPU has room
 for more than one engine's decode steps, i.e. whether one engine's step is bound by its own CPU work.
 
     python bench/engine_step_cost.py --gpu --shape 1.5B --max-num-seqs 256 --engines 2 --points 256x256
@@ -164,14 +164,13 @@ async def _measure(engine, prompts, points, variants, pareto: list[int] | None =
     }
 
 
-def _engine_process(i: int, engine_kw: dict, prompts, jobs, turn, ready, barrier, results) -> None:
-    """One of `--engines`: start when `turn` is set (after the engine before it is up), say `ready`, then run
-    each job (k, length or lengths, variant) at the same moment as the others (`barrier`) and put (i, [seconds
-    per job]) on `results`."""
+def _engine_process(i: int, engine_kw: dict, prompts, jobs, ready, barrier, results) -> None:
+    """One of `--engines`: start (on a GPU one after another: `create_engine`'s per-GPU start lock), say
+    `ready`, then run each job (k, length or lengths, variant) at the same moment as the others (`barrier`)
+    and put (i, [seconds per job]) on `results`."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{i} %(name)s %(message)s")
 
     async def run() -> list[float]:
-        turn.wait(timeout=900)
         engine = vla.create_engine(**engine_kw)
         try:
             await timed_batch(engine, prompts, 64, 8, "ours")
@@ -200,19 +199,16 @@ def measure_shared(
             jobs[i] += [(len(pareto[i::n]), pareto[i::n], v) for v in variants]
     ctx = mp.get_context("spawn")
     kw = {**engine_kw, "gpu_memory_utilization": engine_kw["gpu_memory_utilization"] / n}
-    turns, readies = [ctx.Event() for _ in range(n)], [ctx.Event() for _ in range(n)]
+    readies = [ctx.Event() for _ in range(n)]
     barrier, results = ctx.Barrier(n), ctx.Queue()
     procs = [
-        ctx.Process(
-            target=_engine_process, args=(i, kw, prompts, jobs[i], turns[i], readies[i], barrier, results)
-        )
+        ctx.Process(target=_engine_process, args=(i, kw, prompts, jobs[i], readies[i], barrier, results))
         for i in range(n)
     ]
     for p in procs:
         p.start()
     try:
         for i in range(n):
-            turns[i].set()
             if not readies[i].wait(timeout=deadline_s):
                 raise TimeoutError(f"engine {i} of {n} did not start within {deadline_s:.0f} s")
         got = dict(results.get(timeout=deadline_s) for _ in range(n))
