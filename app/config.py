@@ -362,6 +362,14 @@ class RolloutConfig(_Section):
     GPU share (`replica_gpus` under 1, e.g. 0.4), or 0.9 for a whole GPU."""
     max_num_seqs: int = 256
     """Maximum sequences a replica batches at once."""
+    max_ongoing_requests: int | None = None
+    """Generation requests a replica holds at once (Serve's `max_ongoing_requests`); more wait in the
+    caller's Serve router. null: a whole step's samples (`train.batch_groups`, or `max_inflight` groups, of
+    `n`), at least twice `max_num_seqs` and 64, so that vLLM's own queue fills a finished sequence's slot at
+    its next step. Past the cap the router refills it: with one replica from two routing tasks that back off
+    up to 0.5 s while the replica is full, so the engine runs under its batch while a long-tailed batch's
+    short samples finish (on CPU a step generated 2.4-5x slower, docs/benchmarks.md). Not below
+    `max_num_seqs`."""
     cuda_graphs: bool = False
     """GPU replicas: capture CUDA graphs for decoding (shorter steps, so more tokens/s and a shorter pause
     before each weight load; costs start-up time and some memory). Off: eager mode. Ignored on CPU."""
@@ -386,6 +394,7 @@ class RolloutConfig(_Section):
         "kv_cache_gib": rng("> 0", "vLLM needs room for at least one sequence's KV cache"),
         "gpu_memory_utilization": rng("(0, 1]", "a fraction of the GPU's memory"),
         "max_num_seqs": rng(">= 1", "0 sequences per batch generates nothing"),
+        "max_ongoing_requests": rng(">= 1"),
         "request_timeout_s": _TIMEOUT,
     }
 
@@ -418,6 +427,12 @@ class RolloutConfig(_Section):
             f"{prefix}max_replicas",
             self.max_replicas >= self.min_replicas,
             f"{self.max_replicas} is below {prefix}min_replicas={self.min_replicas}; raise it or lower that",
+        )
+        _check(
+            f"{prefix}max_ongoing_requests",
+            self.max_ongoing_requests is None or self.max_ongoing_requests >= self.max_num_seqs,
+            f"{self.max_ongoing_requests} is below {prefix}max_num_seqs={self.max_num_seqs}, so a replica "
+            "could never batch max_num_seqs sequences; raise it, or null (twice max_num_seqs)",
         )
         self._check_gpu_share_per_worker(prefix)
 

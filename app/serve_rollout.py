@@ -30,6 +30,7 @@ from app.infra.resources import (
     bundle_gpu_ids,
     custom,
     memory_share,
+    ongoing_requests,
     replica_placement,
     role_env,
     worker_share,
@@ -246,7 +247,7 @@ def build_app(cfg, model_path: str):
             # a CPU replica is hidden from every GPU (a GPU build of vLLM is refused it: check_placement)
             "runtime_env": {"env_vars": {} if use_gpu else {**vla.cpu_env(r.kv_cache_gib), **role_env(0)}},
         },
-        "max_ongoing_requests": max(64, r.max_num_seqs),
+        "max_ongoing_requests": ongoing_requests(cfg),
         "health_check_period_s": 10,
         "health_check_timeout_s": 60,
         "graceful_shutdown_timeout_s": 30,  # time to finish an announced push and leave the group

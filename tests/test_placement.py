@@ -25,6 +25,7 @@ from app.infra.resources import (
     cuda_alloc_env,
     demands,
     memory_share,
+    ongoing_requests,
     replica_placement,
     resolve,
     role_env,
@@ -132,6 +133,21 @@ def test_memory_share_follows_the_replica_share_unless_set():
     assert memory_share(r) == 0.9
     r.gpu_memory_utilization = 0.3
     assert memory_share(r) == 0.3
+
+
+def test_a_replica_takes_a_whole_step_of_requests_unless_set():
+    # the CPU default: 16 groups x 8 of a step, 32 fully_async groups x 8, 256 sequences: 2 x 256
+    assert ongoing_requests(load_config(None, [])) == 512
+    # the 2-GPU bench's step: 128 groups x 8 through 512 slots, all in vLLM's queue at once
+    gpu = load_config(None, ["train.batch_groups=128", "rollout.max_num_seqs=512"])
+    assert ongoing_requests(gpu) == 1024
+    # a few slots: twice them, at least 64
+    small = load_config(None, ["train.batch_groups=2", "rollout.max_inflight=2", "rollout.n=4"])
+    small.rollout.max_num_seqs = 8
+    assert ongoing_requests(small) == 64
+    assert ongoing_requests(load_config(None, ["rollout.max_ongoing_requests=300"])) == 300
+    with pytest.raises(ConfigError, match=r"rollout.max_ongoing_requests.*below rollout.max_num_seqs=256"):
+        load_config(None, ["rollout.max_ongoing_requests=100"])
 
 
 def test_auto_transport_picks_ipc_only_on_a_shared_gpu():
