@@ -365,11 +365,12 @@ class RolloutConfig(_Section):
     max_ongoing_requests: int | None = None
     """Generation requests a replica holds at once (Serve's `max_ongoing_requests`); more wait in the
     caller's Serve router. null: a whole step's samples (`train.batch_groups`, or `max_inflight` groups, of
-    `n`), at least twice `max_num_seqs` and 64, so that vLLM's own queue fills a finished sequence's slot at
+    `n`), at least twice `max_num_seqs` and 64 (`max_num_seqs` with `partial=off`, whose push first
+    finishes every request inside the replica), so that vLLM's own queue fills a finished sequence's slot at
     its next step. Past the cap the router refills it: with one replica from two routing tasks that back off
     up to 0.5 s while the replica is full, so the engine runs under its batch while a long-tailed batch's
-    short samples finish (on CPU a step generated 2.4-5x slower, docs/benchmarks.md). Not below
-    `max_num_seqs`."""
+    short samples finish (on CPU, 128 samples through 16 slots: 2.4-9.4 s a step against 0.65 s,
+    docs/benchmarks.md). Not below `max_num_seqs`."""
     cuda_graphs: bool = False
     """GPU replicas: capture CUDA graphs for decoding (shorter steps, so more tokens/s and a shorter pause
     before each weight load; costs start-up time and some memory). Off: eager mode. Ignored on CPU."""

@@ -145,6 +145,8 @@ def test_a_replica_takes_a_whole_step_of_requests_unless_set():
     small = load_config(None, ["train.batch_groups=2", "rollout.max_inflight=2", "rollout.n=4"])
     small.rollout.max_num_seqs = 8
     assert ongoing_requests(small) == 64
+    # partial=off: a push's drain finishes every request inside, so only what vLLM runs at once
+    assert ongoing_requests(load_config(None, ["rollout.partial=off"])) == 256
     assert ongoing_requests(load_config(None, ["rollout.max_ongoing_requests=300"])) == 300
     with pytest.raises(ConfigError, match=r"rollout.max_ongoing_requests.*below rollout.max_num_seqs=256"):
         load_config(None, ["rollout.max_ongoing_requests=100"])
