@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from app.envs import make_factory
+from app.infra.resources import ongoing_requests
 from app.records import Batch, Group, PipelineSnapshot, Prompt, ValResult
 from app.rollout import filtering
 from app.rollout.episode import EpisodeLimits, env_metrics
@@ -171,11 +172,12 @@ class Rollouter:
 
     async def evaluate(self, n: int, temperature: float, seed: int = 0) -> list[Group]:
         """`n` scored samples of every validation prompt (rewards never shaped): what validation and
-        `python -m app eval` score (app/evaluation/scores.py). As many prompts generate at once as the
-        replicas batch (`rollout.max_num_seqs` each), so a large file never waits out a request's deadline
-        in a queue."""
+        `python -m app eval` score (app/evaluation/scores.py). Up to twice as many samples generate at once
+        as the replicas batch (`rollout.max_num_seqs` each, and no more than they take): vLLM's queue refills
+        a slot as a sample ends, and a large file never waits out a request's deadline in a queue."""
         r = self.cfg.rollout
-        gate = asyncio.Semaphore(max(1, r.max_num_seqs * r.max_replicas // n))
+        at_once = min(2 * r.max_num_seqs, ongoing_requests(self.cfg)) * r.max_replicas
+        gate = asyncio.Semaphore(max(1, at_once // n))
 
         async def one(p: Prompt) -> Group:
             async with gate:
