@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 
+from app.config import load_config
 from app.records import GenerateRequest, GenerateResponse, Group, PipelineSnapshot, Prompt, Sample
 from app.rewards import RewardResult
 from app.rewards.styles import RewardInput
@@ -231,3 +232,14 @@ def test_generator_passes_top_k_and_stop_strings():
     train, val = fake.calls[0], fake.calls[-1]
     assert (train.top_k, train.top_p, train.stop) == (7, 0.8, ["</a>"])
     assert (val.top_k, val.top_p, val.stop) == (0, 1.0, ["</a>"])
+
+
+def test_trainer_behaviour_logprobs_ask_the_engine_for_none():
+    """`rollout.behaviour_logprobs=trainer` reaches the requests through the settings the run builds from its
+    config (vLLM then computes no log-probs); the default asks for the sampled tokens'."""
+    for value, wanted in (("engine", True), ("trainer", False)):
+        fake = FakeReplica()
+        cfg = load_config(None, [f"rollout.behaviour_logprobs={value}"])
+        gen = GroupGenerator(fake, lambda ids: " ".join(map(str, ids)), _score, GenSettings.from_cfg(cfg))
+        asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="x"), seed=3))
+        assert fake.calls and all(r.logprobs is wanted for r in fake.calls), value

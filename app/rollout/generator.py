@@ -66,6 +66,7 @@ class GenSettings:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     partial: str = "keep"
+    behaviour_logprobs: str = "engine"  # `trainer`: vLLM returns no log-probs (the trainer's stand in)
     request_timeout_s: float = 300.0
     lengths: tuple[float, int] | None = None
     seed: int = 0
@@ -142,7 +143,7 @@ class GroupGenerator:
             stop=list(self.s.stop),
             seed=seed,
             ignore_eos=self.s.ignore_eos,
-            logprobs=getattr(self.s, "behaviour_logprobs", "engine") == "engine",
+            logprobs=self.s.behaviour_logprobs == "engine",
         )
         key = prompt.key if train else f"val:{prompt.uid}"
         if prompt.partial:
