@@ -384,15 +384,11 @@ def memory_share(rollout: Any) -> float:
 
 
 def ongoing_requests(cfg: Any) -> int:
-    """Serve's `max_ongoing_requests` for a replica: `rollout.max_ongoing_requests`, else enough for a whole
-    step's samples (`train.batch_groups`, or `rollout.max_inflight` groups, of `rollout.n`) and at least twice
-    `max_num_seqs` (and 64); with `rollout.partial=off`, whose push drains every request inside the replica
-    first, `max_num_seqs` (at least 64). vLLM's own queue then fills a finished sequence's slot at its next step. Requests
-    past the cap wait in the caller's Serve router, which routes from two tasks a replica and backs them off
-    up to 0.5 s while every replica is full: on CPU, 128 samples through 16 slots generated in 2.4-9.4 s a
-    step with a cap of 16 and in 0.65 s with this default (docs/benchmarks.md, session 29)."""
+    """Serve's `max_ongoing_requests` for a replica: `rollout.max_ongoing_requests`, else a whole step's
+    samples, at least twice `max_num_seqs` and 64 (`max_num_seqs`, at least 64, with `partial=off`), so that
+    vLLM's own queue refills a finished sequence's slot, not Serve's backing-off router (the field's doc)."""
     r = cfg.rollout
-    if getattr(r, "max_ongoing_requests", None) is not None:
+    if r.max_ongoing_requests is not None:
         return int(r.max_ongoing_requests)
     if r.partial == "off":  # a push's drain finishes every request inside: only those vLLM runs at once
         return max(64, int(r.max_num_seqs))

@@ -379,7 +379,7 @@ class Learner:
         self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
         self.loss_fn = resolve("algorithm.correction", cfg.algorithm.correction, LOSSES)
         # rollout.behaviour_logprobs=trainer: the engine returned none; the step's start policy stands in
-        self.engine_behaviour = getattr(cfg.rollout, "behaviour_logprobs", "engine") == "engine"
+        self.engine_behaviour = cfg.rollout.behaviour_logprobs == "engine"
 
     def step(self, batch: Batch) -> dict[str, float]:
         """Train on `batch` (collective: every rank calls it with the same batch): one optimizer step per
