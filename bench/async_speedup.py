@@ -75,6 +75,22 @@ def push_medians(tracking_uri: str, run_id: str) -> dict[str, float]:
     return out
 
 
+def per_step(tracking_uri: str, run_id: str) -> dict[str, list[float]]:
+    """Each step's seconds (generation, training, wait for rollouts, the whole step) and each step's end after
+    the first step's (`end_s`), in step order: what a median hides, e.g. whether the steady state's window
+    gained from a warm-up that overlapped generation."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri)
+    out: dict[str, list[float]] = {}
+    for key in ("generate", "train", "wait_rollout", "step"):
+        hist = sorted(c.get_metric_history(run_id, f"timing/{key}_s"), key=lambda m: m.step)
+        out[f"{key}_s"] = [round(m.value, 3) for m in hist]
+    ends = sorted(steady_points(tracking_uri, run_id))
+    out["end_s"] = [round(p[1] - ends[0][1], 3) for p in ends] if ends else []
+    return out
+
+
 def steady_tokens_per_s(points: list[tuple[int, float, float]]) -> float:
     """Trained tokens per second after the first step: `points` are (step, logged at in seconds, the step's
     trained tokens), one per step, logged as each step ends. The first step carries the run's warm-up (the
@@ -263,8 +279,9 @@ def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
                     steady_tokens_per_s(steady_points(res["tracking_uri"], res["run_id"])), 1
                 ),
                 **push_medians(res["tracking_uri"], res["run_id"]),
+                "per_step": per_step(res["tracking_uri"], res["run_id"]),
             }
-            log.info("%s: %s", mode, results[mode])
+            log.info("%s: %s", mode, {k: v for k, v in results[mode].items() if k != "per_step"})
     finally:
         ray.shutdown()
     return results

@@ -61,3 +61,27 @@ def test_earlier_runs_join_the_ratios_only_when_their_settings_match(tmp_path):
     (tmp_path / "empty.out").write_text("no json here\n")
     with pytest.raises(ValueError, match="no JSON line"):
         last_json_line(str(tmp_path / "empty.out"))
+
+
+def test_per_step_lists_each_step_in_order_and_the_ends_after_the_first(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from bench.async_speedup import per_step
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    exp = c.create_experiment("e")
+    run = c.create_run(exp).info.run_id
+    # logged out of order, as nothing promises otherwise; step 1 ends at t=100 s, 2 at 110.5 s, 3 at 121 s
+    for step, gen, train, at in ((2, 10.25, 5.0, 110.5), (1, 12.0, 20.0, 100.0), (3, 9.75, 5.5, 121.0)):
+        ms = int(at * 1000)
+        c.log_metric(run, "timing/generate_s", gen, timestamp=ms, step=step)
+        c.log_metric(run, "timing/train_s", train, timestamp=ms, step=step)
+        c.log_metric(run, "timing/step_s", max(gen, train), timestamp=ms, step=step)
+        c.log_metric(run, "train/tokens", 1000.0, timestamp=ms, step=step)
+    got = per_step(uri, run)
+    assert got["generate_s"] == [12.0, 10.25, 9.75]
+    assert got["train_s"] == [20.0, 5.0, 5.5]
+    assert got["step_s"] == [20.0, 10.25, 9.75]
+    assert got["wait_rollout_s"] == []  # not logged: an empty list, not an error
+    assert got["end_s"] == [0.0, 10.5, 21.0]
