@@ -11,9 +11,10 @@ same length in every mode). Each mode trains the same prompts once (`data.epochs
 cluster started here (same replicas, trainer workers and CPUs for each), so the trained tokens are the same
 and the ratio is one of loop times: from the first step to the last push, validation excluded. Prints a
 final JSON line with tokens/s per mode and three ratios to `sync`: over the whole loop (`ratio_to_sync`), by
-the median step (`step_ratio_to_sync`), and by the trained tokens/s after the first step
-(`steady_ratio_to_sync`: a short run's loop is mostly its first step, the trainer's compile and the first
-generation that nothing overlaps).
+the median step (`step_ratio_to_sync`), and by the trained tokens/s of the steady state
+(`steady_ratio_to_sync`: the steps between the first and the last; a short run's loop is mostly its first step,
+the trainer's compile and the first generation that nothing overlaps, and an overlapped mode's last step has no
+next batch to wait for).
 
 Where each mode needs its own call (a GPU engine's start and a realistic shape fill a 10-minute call), save each
 run's output and pass it to the next with `--with`; the last run's line then holds every mode and the ratios:
@@ -92,12 +93,13 @@ def per_step(tracking_uri: str, run_id: str) -> dict[str, list[float]]:
 
 
 def steady_tokens_per_s(points: list[tuple[int, float, float]]) -> float:
-    """Trained tokens per second after the first step: `points` are (step, logged at in seconds, the step's
-    trained tokens), one per step, logged as each step ends. The first step carries the run's warm-up (the
-    trainer's first compile, `one_step_off`'s first generation, which nothing overlaps), so a short run's
-    whole-loop figure is mostly warm-up; this is the steady state: the tokens of steps 2..k over the time from
-    the end of step 1 to the end of step k (NaN with fewer than two steps)."""
-    pts = sorted(points)
+    """Trained tokens per second between the first and the last step: `points` are (step, logged at in
+    seconds, the step's trained tokens), one per step, logged as each step ends. The first step carries the
+    run's warm-up (the trainer's first compile, `one_step_off`'s first generation, which nothing overlaps);
+    the last is short in the overlapped modes (nothing is left to generate: `one_step_off`'s last step is its
+    training alone), which would flatter them. So this is the tokens of steps 2..k-1 over the time from the
+    end of step 1 to the end of step k-1 (NaN with fewer than three steps)."""
+    pts = sorted(points)[:-1]
     if len(pts) < 2 or pts[-1][1] <= pts[0][1]:
         return float("nan")
     return sum(p[2] for p in pts[1:]) / (pts[-1][1] - pts[0][1])
@@ -161,7 +163,7 @@ def with_ratios(summary: dict) -> dict:
         # the same by the median step (sync's median step over each mode's): the steady state, which the
         # whole loop's ratio reaches only over many steps (a short run is mostly its first steps)
         "step_ratio_to_sync": step_ratios(results),
-        # trained tokens/s after the first step (its warm-up excluded), against sync's
+        # trained tokens/s between the first and the last step (warm-up and wind-down excluded), against sync's
         "steady_ratio_to_sync": ratios(results, "steady_tokens_per_s"),
     }
 

@@ -19,11 +19,14 @@ from bench.async_speedup import (
 )
 
 
-def test_steady_tokens_per_s_leaves_out_the_first_step():
-    # step 1 ends at 20 s after a long warm-up; steps 2-4 (300 + 500 + 400 tokens) end at 24, 27 and 32 s
-    pts = [(3, 27.0, 500.0), (1, 20.0, 9999.0), (4, 32.0, 400.0), (2, 24.0, 300.0)]  # in any order
-    assert steady_tokens_per_s(pts) == 1200.0 / 12.0
-    assert math.isnan(steady_tokens_per_s([(1, 20.0, 100.0)]))  # one step: no steady state
+def test_steady_tokens_per_s_leaves_out_the_first_and_the_last_step():
+    # step 1 ends at 20 s after a long warm-up; steps 2-4 (300 + 500 + 400 tokens) end at 24, 27 and 32 s;
+    # step 5 (an overlapped mode's last: its training alone) ends 1 s later
+    pts = [(3, 27.0, 500.0), (1, 20.0, 9999.0), (5, 33.0, 9999.0), (4, 32.0, 400.0), (2, 24.0, 300.0)]
+    assert steady_tokens_per_s(pts) == 1200.0 / 12.0  # in any order
+    first4 = [p for p in pts if p[0] <= 4]
+    assert steady_tokens_per_s(first4) == 800.0 / 7.0  # steps 1-4 only: steps 2-3 over 20..27 s
+    assert math.isnan(steady_tokens_per_s([(1, 20.0, 100.0), (2, 24.0, 100.0)]))  # two steps: no steady state
     assert math.isnan(steady_tokens_per_s([]))
 
 
