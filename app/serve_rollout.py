@@ -143,23 +143,35 @@ class RolloutServer:
 
     async def _generate(self, req: GenerateRequest) -> list[dict[str, Any]]:
         """The samples, tagged with the version this replica holds when the request enters the engine (with
-        LoRA: generated with, and tagged with, the adapter it was admitted under, `req.adapter` or the newest)."""
+        LoRA: generated with, and tagged with, the adapter it was admitted under, `req.adapter` or the newest).
+        A seeded request for `n` samples runs as `n` engine requests seeded `seed`, `seed + 1`, ...: the
+        samples a group's per-sample requests would give (`rollout.group_requests`)."""
         async with self.sync.adapter(req.adapter) as adapter:
-            return await vla.generate(
-                self.engine,
-                list(req.prompt_ids),
-                n=req.n,
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                stop=list(req.stop),
-                version=self.version,
-                seed=req.seed,
-                ignore_eos=req.ignore_eos,
-                logprobs=req.logprobs,
-                adapter=adapter,
-            )
+            if req.n > 1 and req.seed is not None:
+                parts = await asyncio.gather(
+                    *[self._engine_generate(req, 1, req.seed + i, adapter) for i in range(req.n)]
+                )
+                return [s for part in parts for s in part]
+            return await self._engine_generate(req, req.n, req.seed, adapter)
+
+    async def _engine_generate(
+        self, req: GenerateRequest, n: int, seed: int | None, adapter: Any
+    ) -> list[dict[str, Any]]:
+        return await vla.generate(
+            self.engine,
+            list(req.prompt_ids),
+            n=n,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=list(req.stop),
+            version=self.version,
+            seed=seed,
+            ignore_eos=req.ignore_eos,
+            logprobs=req.logprobs,
+            adapter=adapter,
+        )
 
     async def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
         """Log-probs of a fixed completion under this replica's newest weights (base + adapter, with LoRA)."""
@@ -259,7 +271,8 @@ def build_app(cfg, model_path: str):
         opts["autoscaling_config"] = {
             "min_replicas": r.min_replicas,
             "max_replicas": r.max_replicas,
-            "target_ongoing_requests": r.target_ongoing_requests,
+            # in samples: a group request carries n of them
+            "target_ongoing_requests": r.target_ongoing_requests / (r.n if r.group_requests else 1),
             "upscale_delay_s": 5,
             "downscale_delay_s": 30,
         }

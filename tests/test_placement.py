@@ -137,19 +137,38 @@ def test_memory_share_follows_the_replica_share_unless_set():
 
 def test_a_replica_takes_a_whole_step_of_requests_unless_set():
     # the CPU default: 16 groups x 8 of a step, 32 fully_async groups x 8, 256 sequences: 2 x 256
-    assert ongoing_requests(load_config(None, [])) == 512
+    # (one request a sample here; a group's request: the next test)
+    by_sample = "rollout.group_requests=false"
+    assert ongoing_requests(load_config(None, [by_sample])) == 512
     # the 2-GPU bench's step: 128 groups x 8 through 512 slots, all in vLLM's queue at once
-    gpu = load_config(None, ["train.batch_groups=128", "rollout.max_num_seqs=512"])
+    gpu = load_config(None, ["train.batch_groups=128", "rollout.max_num_seqs=512", by_sample])
     assert ongoing_requests(gpu) == 1024
     # a few slots: twice them, at least 64
-    small = load_config(None, ["train.batch_groups=2", "rollout.max_inflight=2", "rollout.n=4"])
+    small = load_config(None, ["train.batch_groups=2", "rollout.max_inflight=2", "rollout.n=4", by_sample])
     small.rollout.max_num_seqs = 8
     assert ongoing_requests(small) == 64
     # partial=off: a push's drain finishes every request inside, so only what vLLM runs at once
-    assert ongoing_requests(load_config(None, ["rollout.partial=off"])) == 256
-    assert ongoing_requests(load_config(None, ["rollout.max_ongoing_requests=300"])) == 300
+    assert ongoing_requests(load_config(None, ["rollout.partial=off", by_sample])) == 256
+    assert ongoing_requests(load_config(None, ["rollout.max_ongoing_requests=300", by_sample])) == 300
     with pytest.raises(ConfigError, match=r"rollout.max_ongoing_requests.*below rollout.max_num_seqs=256"):
-        load_config(None, ["rollout.max_ongoing_requests=100"])
+        load_config(None, ["rollout.max_ongoing_requests=100", by_sample])
+
+
+def test_with_group_requests_a_replica_takes_the_same_samples_in_groups():
+    # a request is a group of n=8: the 2-GPU bench's 1,024 samples are its 128 groups
+    gpu = load_config(
+        None, ["train.batch_groups=128", "rollout.max_num_seqs=512", "rollout.group_requests=true"]
+    )
+    assert ongoing_requests(gpu) == 128
+    # the CPU default: 2 x 256 slots in groups of 8 = 64, and at least 64 samples (8 groups) in general
+    assert ongoing_requests(load_config(None, ["rollout.group_requests=true"])) == 64
+    off = load_config(None, ["rollout.group_requests=true", "rollout.partial=off", "rollout.n=3"])
+    assert ongoing_requests(off) == 86  # ceil(256 / 3): what vLLM runs at once, in groups
+    # an explicit cap counts requests, so 40 groups of 8 (320 samples) can fill 256 slots; 30 (240) cannot
+    ok = load_config(None, ["rollout.group_requests=true", "rollout.max_ongoing_requests=40"])
+    assert ongoing_requests(ok) == 40
+    with pytest.raises(ConfigError, match=r"30 requests of 8 sample\(s\) are below rollout.max_num_seqs=256"):
+        load_config(None, ["rollout.group_requests=true", "rollout.max_ongoing_requests=30"])
 
 
 def test_auto_transport_picks_ipc_only_on_a_shared_gpu():

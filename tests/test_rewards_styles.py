@@ -59,7 +59,10 @@ def _decode(ids: list[int]) -> str:
 
 
 def _generator(pool: RewardPool, texts: list[str], n: int = 2) -> GroupGenerator:
-    return GroupGenerator(Replica(texts), _decode, pool.score, GenSettings(n=n, max_tokens=16))
+    # Replica answers one sample a request, its texts in turn
+    return GroupGenerator(
+        Replica(texts), _decode, pool.score, GenSettings(n=n, max_tokens=16, group_requests=False)
+    )
 
 
 def _scored(overrides: list[str], rec: dict, texts: list[str]):

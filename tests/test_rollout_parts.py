@@ -115,10 +115,55 @@ async def _score(inp: RewardInput) -> RewardResult:
     )
 
 
-def _gen(fake: FakeReplica, **kw) -> GroupGenerator:
+class SeededReplica:
+    """A `GenerateFn` by the protocol's contract: a seeded request for `n` samples answers sample i as a
+    request seeded `seed + i` would (its tokens: that seed, `max_tokens` times); `short` drops one sample."""
+
+    def __init__(self, short: bool = False) -> None:
+        self.calls: list[GenerateRequest] = []
+        self.short = short
+
+    async def __call__(self, req: GenerateRequest) -> GenerateResponse:
+        self.calls.append(req)
+        await asyncio.sleep(0)
+        k = req.n - 1 if self.short else req.n
+        samples = [
+            Sample(
+                token_ids=[req.seed + i] * req.max_tokens,
+                logprobs=[-0.5] * req.max_tokens,
+                versions=[3] * req.max_tokens,
+                finish_reason="length",
+            )
+            for i in range(k)
+        ]
+        return GenerateResponse(samples=samples, replica="r1", version=3)
+
+
+def _gen(fake: FakeReplica | SeededReplica, **kw) -> GroupGenerator:
+    """A generator over `fake`; one request per sample unless `group_requests=True` (FakeReplica answers one
+    sample a request: these tests drive the per-sample mechanics, resubmits, freezes, regenerations)."""
+    kw.setdefault("group_requests", False)
     return GroupGenerator(
         fake, lambda ids: " ".join(map(str, ids)), _score, GenSettings(n=2, max_tokens=4, **kw)
     )
+
+
+def test_group_requests_send_one_request_a_group_with_the_same_samples():
+    prompt = Prompt(uid="u", prompt_ids=[1, 2], answer="a")
+    per_sample, grouped = SeededReplica(), SeededReplica()
+    one = asyncio.run(_gen(per_sample).group(prompt, seed=10, n=3))
+    whole = asyncio.run(_gen(grouped, group_requests=True).group(prompt, seed=10, n=3))
+    assert [(r.n, r.seed) for r in per_sample.calls] == [(1, 10), (1, 11), (1, 12)]
+    assert [(r.n, r.seed) for r in grouped.calls] == [(3, 10)]  # one request, its base seed
+    assert (
+        [s.token_ids for s in whole.samples]
+        == [s.token_ids for s in one.samples]
+        == [[10] * 4, [11] * 4, [12] * 4]
+    )
+    assert [s.reward for s in whole.samples] == [4.0] * 3  # each sample scored
+    assert all(s.replica == "r1" for s in whole.samples)
+    with pytest.raises(RuntimeError, match="a group request for 3 samples got 2 from replica 'r1'"):
+        asyncio.run(_gen(SeededReplica(short=True), group_requests=True).group(prompt, seed=10, n=3))
 
 
 def test_generator_resubmit_merges_partial_and_scores():
@@ -138,7 +183,10 @@ def test_reward_output_past_the_cap_is_counted():
         return RewardResult(score=1.0, output_dropped=10_000)
 
     gen = GroupGenerator(
-        FakeReplica(), lambda ids: " ".join(map(str, ids)), chatty, GenSettings(n=2, max_tokens=4)
+        FakeReplica(),
+        lambda ids: " ".join(map(str, ids)),
+        chatty,
+        GenSettings(n=2, max_tokens=4, group_requests=False),
     )
     g = asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="a"), seed=3))
     assert all(s.reward == 1.0 for s in g.samples)
@@ -238,8 +286,12 @@ def test_trainer_behaviour_logprobs_ask_the_engine_for_none():
     """`rollout.behaviour_logprobs=trainer` reaches the requests through the settings the run builds from its
     config (vLLM then computes no log-probs); the default asks for the sampled tokens'."""
     for value, wanted in (("engine", True), ("trainer", False)):
-        fake = FakeReplica()
-        cfg = load_config(None, [f"rollout.behaviour_logprobs={value}"])
-        gen = GroupGenerator(fake, lambda ids: " ".join(map(str, ids)), _score, GenSettings.from_cfg(cfg))
-        asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="x"), seed=3))
-        assert fake.calls and all(r.logprobs is wanted for r in fake.calls), value
+        for group in (True, False):  # one request a group (the default), or one a sample
+            fake = SeededReplica() if group else FakeReplica()
+            cfg = load_config(
+                None, [f"rollout.behaviour_logprobs={value}", f"rollout.group_requests={group}"]
+            )
+            gen = GroupGenerator(fake, lambda ids: " ".join(map(str, ids)), _score, GenSettings.from_cfg(cfg))
+            asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="x"), seed=3))
+            assert len(fake.calls) == (1 if group else cfg.rollout.n), (value, group)
+            assert all(r.logprobs is wanted for r in fake.calls), (value, group)

@@ -386,14 +386,17 @@ def memory_share(rollout: Any) -> float:
 def ongoing_requests(cfg: Any) -> int:
     """Serve's `max_ongoing_requests` for a replica: `rollout.max_ongoing_requests`, else a whole step's
     samples, at least twice `max_num_seqs` and 64 (`max_num_seqs`, at least 64, with `partial=off`), so that
-    vLLM's own queue refills a finished sequence's slot, not Serve's backing-off router (the field's doc)."""
+    vLLM's own queue refills a finished sequence's slot, not Serve's backing-off router (the field's doc).
+    With `rollout.group_requests` a request carries a group's `n` samples: the same samples in 1/n the
+    requests."""
     r = cfg.rollout
     if r.max_ongoing_requests is not None:
         return int(r.max_ongoing_requests)
+    per = int(r.n) if r.group_requests else 1  # a request is a sample, or a group of `n`
     if r.partial == "off":  # a push's drain finishes every request inside: only those vLLM runs at once
-        return max(64, int(r.max_num_seqs))
+        return max(64 // per, -(-int(r.max_num_seqs) // per))
     step = max(int(cfg.train.batch_groups), int(r.max_inflight)) * int(r.n)
-    return max(64, 2 * int(r.max_num_seqs), step)
+    return max(64 // per, -(-2 * int(r.max_num_seqs) // per), -(-step // per))
 
 
 def replicas_share_gpus(replica_gpus: float, max_replicas: int) -> bool:

@@ -4,7 +4,7 @@ rollouter.py       `Rollouter`, the Ray actor (a facade) that composes the parts
 prompt_files.py    prompt files (`.jsonl`, `.parquet`) into typed, validated rows; `DataError`
 dataset.py         the prompt files as Ray Data datasets: streamed, validated, tokenized
 prompt_stream.py   `PromptStream`: epoch position, outstanding prompts, retries, snapshot
-generator.py       `GroupGenerator`: one GenerateRequest per sample through a `GenerateFn`
+generator.py       `GroupGenerator`: a group's GenerateRequest (or one per sample) through a `GenerateFn`
 episode.py         multi-turn episodes: trajectories with loss masks
 producer.py        `AsyncProducer`, the fully_async producer: admission, bounded queue
 admission.py       pure functions of the fully async stream: admission, staleness bound, partial merge

@@ -1,7 +1,7 @@
 """One prompt's GRPO group: generate its samples through a `GenerateFn`, score each as it finishes.
 
-Each sample of a group is its own request, so its reward starts the moment it finishes while the rest of
-the group is still generating. Where generation runs is behind `GenerateFn` (an async callable taking a
+A group is one request for its `n` samples (`rollout.group_requests`), or each sample is its own request,
+whose reward then starts the moment it finishes while the rest of the group is still generating. Where generation runs is behind `GenerateFn` (an async callable taking a
 `GenerateRequest` and returning a `GenerateResponse`): in production a thin wrapper over the Serve handle,
 in tests a fake.
 
@@ -67,6 +67,7 @@ class GenSettings:
     ignore_eos: bool = False
     partial: str = "keep"
     behaviour_logprobs: str = "engine"  # `trainer`: vLLM returns no log-probs (the trainer's stand in)
+    group_requests: bool = True  # one request per group (the replica runs its samples), not per sample
     request_timeout_s: float = 300.0
     lengths: tuple[float, int] | None = None
     seed: int = 0
@@ -152,14 +153,7 @@ class GroupGenerator:
         reqs = [replace(req, seed=None if seed is None else seed + i) for i in range(count)]
         self.inflight.add(key)
         try:
-            outs = await asyncio.gather(
-                *[
-                    self._sample(
-                        prompt, reqs[i], replace(prompt.partial[i]) if prompt.partial else None, score_now
-                    )
-                    for i in range(count)
-                ]
-            )
+            outs = await self._samples(prompt, req, reqs, score_now)
             if self.s.partial == "off" and self.episode is None and not prompt.partial:
                 outs = await self._one_version(prompt, reqs, outs, score_now)
         finally:
@@ -243,6 +237,36 @@ class GroupGenerator:
             await self.refs.fill(g)
         return g
 
+    async def _samples(
+        self, prompt: Prompt, req: GenerateRequest, reqs: list[GenerateRequest], score_now: bool
+    ) -> list[tuple[Sample, RewardResult | None]]:
+        """The group's samples, each scored as it finishes (or, with `rollout.group_requests`, as the group
+        does): one request per sample, or one for the whole group, whose replica seeds its sample i as
+        `reqs[i]` would be (`req.seed + i`). Episodes and restored partial samples go one by one."""
+        if self.s.group_requests and self.episode is None and not prompt.partial:
+            resp = await self._request(prompt.uid, replace(req, n=len(reqs)))
+            if len(resp.samples) != len(reqs):
+                raise RuntimeError(
+                    f"prompt {prompt.uid}: a group request for {len(reqs)} samples got "
+                    f"{len(resp.samples)} from replica {resp.replica!r}"
+                )
+            for s in resp.samples:
+                s.replica = s.replica or resp.replica
+            return list(
+                await asyncio.gather(
+                    *[self._finish(prompt, r, s, score_now) for r, s in zip(reqs, resp.samples, strict=True)]
+                )
+            )
+        partial = prompt.partial
+        return list(
+            await asyncio.gather(
+                *[
+                    self._sample(prompt, r, replace(partial[i]) if partial else None, score_now)
+                    for i, r in enumerate(reqs)
+                ]
+            )
+        )
+
     async def _sample(
         self, prompt: Prompt, req: GenerateRequest, sample: Sample | None, score_now: bool
     ) -> tuple[Sample, RewardResult | None]:
@@ -255,6 +279,12 @@ class GroupGenerator:
             resp = await self._request(prompt.uid, req)
             sample = resp.samples[0]
             sample.replica = sample.replica or resp.replica
+        return await self._finish(prompt, req, sample, score_now)
+
+    async def _finish(
+        self, prompt: Prompt, req: GenerateRequest, sample: Sample, score_now: bool
+    ) -> tuple[Sample, RewardResult | None]:
+        """A generated sample: continued while a push aborted it (`resubmit`), decoded, scored now or later."""
         if self.s.partial == "resubmit" or sample.finish_reason == "abort":
             sample = await self._complete(req, sample)
         if self.freezing and sample.finish_reason == "abort":

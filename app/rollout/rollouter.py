@@ -176,7 +176,8 @@ class Rollouter:
         as the replicas batch (`rollout.max_num_seqs` each, and no more than they take): vLLM's queue refills
         a slot as a sample ends, and a large file never waits out a request's deadline in a queue."""
         r = self.cfg.rollout
-        at_once = min(2 * r.max_num_seqs, ongoing_requests(self.cfg)) * r.max_replicas
+        held = ongoing_requests(self.cfg) * (n if r.group_requests else 1)  # samples a replica takes
+        at_once = min(2 * r.max_num_seqs, held) * r.max_replicas
         gate = asyncio.Semaphore(max(1, at_once // n))
 
         async def one(p: Prompt) -> Group:

@@ -22,6 +22,23 @@ def test_generation_carries_versions_and_logprobs(rollout_stack):
             assert s.finish_reason in ("stop", "length")
 
 
+def test_a_seeded_group_request_gives_the_samples_of_its_per_sample_requests(rollout_stack):
+    """`rollout.group_requests`: the real replica runs a seeded request for n samples as n engine requests
+    seeded seed, seed + 1, ...: the tokens of the group's per-sample requests."""
+    from dataclasses import replace
+
+    from app.records import GenerateRequest
+
+    handle = rollout_stack["handle"]
+    base = GenerateRequest(prompt_ids=[5, 6, 7, 8], max_tokens=12, temperature=1.0, ignore_eos=True, seed=41)
+    group = handle.generate.remote(replace(base, n=3)).result(timeout_s=120)
+    singles = [handle.generate.remote(replace(base, seed=41 + i)).result(timeout_s=120) for i in range(3)]
+    got = [s.token_ids for s in group.samples]
+    assert got == [r.samples[0].token_ids for r in singles]
+    assert len(set(map(tuple, got))) > 1  # three seeds, not one sample three times
+    assert all(len(s.versions) == len(s.token_ids) == 12 for s in group.samples)
+
+
 def test_a_cpu_replica_runs_its_vllm_worker_inside_the_engine_core(rollout_stack):
     """A CPU replica has one vLLM process, its engine core, where the model runs (app/vllm/engine.py
     `cpu_env`): the pid the worker reports is the engine core's (with vLLM's "mp" executor it is another
