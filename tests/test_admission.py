@@ -125,7 +125,9 @@ async def _stream(
     async def score(inp: RewardInput) -> RewardResult:
         return RewardResult(score=float(inp.response.endswith("5")) if inp.answer == "parity" else 1.0)
 
-    gen_settings = GenSettings(n=n, max_tokens=4, group_requests=False)  # the fake answers one sample a request
+    gen_settings = GenSettings(
+        n=n, max_tokens=4, group_requests=False
+    )  # the fake answers one sample a request
     gen = GroupGenerator(generate, lambda ids: " ".join(map(str, ids)), score, gen_settings)
     settings = ProducerSettings(
         max_staleness=eta,
