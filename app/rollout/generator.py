@@ -1,9 +1,9 @@
 """One prompt's GRPO group: generate its samples through a `GenerateFn`, score each as it finishes.
 
 A group is one request for its `n` samples (`rollout.group_requests`), or each sample is its own request,
-whose reward then starts the moment it finishes while the rest of the group is still generating. Where generation runs is behind `GenerateFn` (an async callable taking a
-`GenerateRequest` and returning a `GenerateResponse`): in production a thin wrapper over the Serve handle,
-in tests a fake.
+whose reward then starts the moment it finishes while the rest of the group is still generating. Where
+generation runs is behind `GenerateFn` (an async callable taking a `GenerateRequest` and returning a
+`GenerateResponse` with `n` samples): in production a thin wrapper over the Serve handle, in tests a fake.
 
 Partial rollouts (`rollout.partial`): with `keep` and `off` the replica handles a push itself; with
 `resubmit` a sample aborted by a push comes back with finish reason 'abort' and goes out again as prompt +
@@ -36,6 +36,9 @@ MAX_RESUBMITS = 100
 
 
 class GenerateFn(Protocol):
+    """`req.n` samples of `req.prompt_ids` (a seeded request's sample i as a request seeded `req.seed + i`
+    would give it: a group's one request then matches its per-sample requests)."""
+
     async def __call__(self, req: GenerateRequest) -> GenerateResponse: ...
 
 
