@@ -204,6 +204,7 @@ class RolloutServer:
             "generated_tokens": self.generated_tokens,
             "ongoing": self.ongoing,
             "engine_pids": await self._engine_pids(),
+            "engine_log_stats": getattr(self.engine, "log_stats", None),  # None: vLLM renamed it
             "last_error": self.sync.last_error,
             "uptime_s": time.time() - self.started,
         }

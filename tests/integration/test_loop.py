@@ -54,6 +54,7 @@ def test_a_cpu_replica_runs_its_vllm_worker_inside_the_engine_core(rollout_stack
             continue
     cores = [pid for pid, name in names.items() if "EngineCore" in name]
     assert len(cores) == 1 and info["engine_pids"] == cores, (info["engine_pids"], names)
+    assert info["engine_log_stats"] is False  # vLLM's statistics, which nothing reads, are off
 
 
 def test_trainer_and_vllm_logprobs_match_after_step_and_push(rollout_stack, tmp_path):
