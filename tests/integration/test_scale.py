@@ -105,7 +105,7 @@ def scale_then_stall(ray_cluster, cache_dir, tmp_path_factory) -> dict:
         cache_dir,
         tmp_path,
         NAME,
-        "train.steps=500",  # ended by the watchdog once the scale-out and scale-in are seen
+        "train.steps=100000",  # ended by the watchdog once the scale-out and scale-in are seen, never by steps
         "algorithm.val_every=1000",
         "data.val_size=8",
         "rollout.scaling=external",
