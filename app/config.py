@@ -31,6 +31,7 @@ from omegaconf.errors import ConfigKeyError, ConfigTypeError, ValidationError
 
 from app import tasks as builtin_tasks
 from app.errors import UserError
+from app.infra.resources import samples_per_request
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -439,7 +440,7 @@ class RolloutConfig(_Section):
             self.max_replicas >= self.min_replicas,
             f"{self.max_replicas} is below {prefix}min_replicas={self.min_replicas}; raise it or lower that",
         )
-        per = self.n if self.group_requests else 1  # samples a request carries
+        per = samples_per_request(self)
         held = None if self.max_ongoing_requests is None else self.max_ongoing_requests * per
         _check(
             f"{prefix}max_ongoing_requests",

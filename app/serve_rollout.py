@@ -33,6 +33,7 @@ from app.infra.resources import (
     ongoing_requests,
     replica_placement,
     role_env,
+    samples_per_request,
     worker_share,
 )
 from app.records import GenerateRequest, GenerateResponse, Sample
@@ -273,7 +274,7 @@ def build_app(cfg, model_path: str):
             "min_replicas": r.min_replicas,
             "max_replicas": r.max_replicas,
             # in samples: a group request carries n of them
-            "target_ongoing_requests": r.target_ongoing_requests / (r.n if r.group_requests else 1),
+            "target_ongoing_requests": r.target_ongoing_requests / samples_per_request(r),
             "upscale_delay_s": 5,
             "downscale_delay_s": 30,
         }

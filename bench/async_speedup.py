@@ -76,10 +76,12 @@ def push_medians(tracking_uri: str, run_id: str) -> dict[str, float]:
     return out
 
 
-def per_step(tracking_uri: str, run_id: str) -> dict[str, list[float]]:
+def per_step(
+    tracking_uri: str, run_id: str, points: list[tuple[int, float, float]]
+) -> dict[str, list[float]]:
     """Each step's seconds (generation, training, wait for rollouts, the whole step) and each step's end after
-    the first step's (`end_s`), in step order: what a median hides, e.g. whether the steady state's window
-    gained from a warm-up that overlapped generation."""
+    the first step's (`end_s`, from `points`: `steady_points`), in step order: what a median hides, e.g.
+    whether the steady state's window gained from a warm-up that overlapped generation."""
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(tracking_uri)
@@ -87,7 +89,7 @@ def per_step(tracking_uri: str, run_id: str) -> dict[str, list[float]]:
     for key in ("generate", "train", "wait_rollout", "step"):
         hist = sorted(c.get_metric_history(run_id, f"timing/{key}_s"), key=lambda m: m.step)
         out[f"{key}_s"] = [round(m.value, 3) for m in hist]
-    ends = sorted(steady_points(tracking_uri, run_id))
+    ends = sorted(points)
     out["end_s"] = [round(p[1] - ends[0][1], 3) for p in ends] if ends else []
     return out
 
@@ -272,16 +274,15 @@ def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
                 ],
             )
             res = driver.run(cfg)
+            points = steady_points(res["tracking_uri"], res["run_id"])
             results[mode] = {
                 "steps": res["steps"],
                 "trained_tokens": res["trained_tokens"],
                 "loop_s": round(res["loop_s"], 2),
                 "tokens_per_s": round(res["trained_tokens"] / res["loop_s"], 1),
-                "steady_tokens_per_s": round(
-                    steady_tokens_per_s(steady_points(res["tracking_uri"], res["run_id"])), 1
-                ),
+                "steady_tokens_per_s": round(steady_tokens_per_s(points), 1),
                 **push_medians(res["tracking_uri"], res["run_id"]),
-                "per_step": per_step(res["tracking_uri"], res["run_id"]),
+                "per_step": per_step(res["tracking_uri"], res["run_id"], points),
             }
             log.info("%s: %s", mode, {k: v for k, v in results[mode].items() if k != "per_step"})
     finally:

@@ -69,7 +69,7 @@ def test_earlier_runs_join_the_ratios_only_when_their_settings_match(tmp_path):
 def test_per_step_lists_each_step_in_order_and_the_ends_after_the_first(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from bench.async_speedup import per_step
+    from bench.async_speedup import per_step, steady_points
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = MlflowClient(uri)
@@ -82,7 +82,7 @@ def test_per_step_lists_each_step_in_order_and_the_ends_after_the_first(tmp_path
         c.log_metric(run, "timing/train_s", train, timestamp=ms, step=step)
         c.log_metric(run, "timing/step_s", max(gen, train), timestamp=ms, step=step)
         c.log_metric(run, "train/tokens", 1000.0, timestamp=ms, step=step)
-    got = per_step(uri, run)
+    got = per_step(uri, run, steady_points(uri, run))
     assert got["generate_s"] == [12.0, 10.25, 9.75]
     assert got["train_s"] == [20.0, 5.0, 5.5]
     assert got["step_s"] == [20.0, 10.25, 9.75]

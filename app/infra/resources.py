@@ -383,6 +383,12 @@ def memory_share(rollout: Any) -> float:
     return round(0.8 * share, 4) if shared else share
 
 
+def samples_per_request(rollout: Any) -> int:
+    """The training samples one generation request carries: a group's `n` with `rollout.group_requests`,
+    else one."""
+    return int(rollout.n) if rollout.group_requests else 1
+
+
 def ongoing_requests(cfg: Any) -> int:
     """Serve's `max_ongoing_requests` for a replica: `rollout.max_ongoing_requests`, else a whole step's
     samples, at least twice `max_num_seqs` and 64 (`max_num_seqs`, at least 64, with `partial=off`), so that
@@ -392,7 +398,7 @@ def ongoing_requests(cfg: Any) -> int:
     r = cfg.rollout
     if r.max_ongoing_requests is not None:
         return int(r.max_ongoing_requests)
-    per = int(r.n) if r.group_requests else 1  # a request is a sample, or a group of `n`
+    per = samples_per_request(r)
     if r.partial == "off":  # a push's drain finishes every request inside: only those vLLM runs at once
         return max(64 // per, -(-int(r.max_num_seqs) // per))
     step = max(int(cfg.train.batch_groups), int(r.max_inflight)) * int(r.n)
