@@ -383,10 +383,12 @@ def memory_share(rollout: Any) -> float:
     return round(0.8 * share, 4) if shared else share
 
 
-def samples_per_request(rollout: Any) -> int:
-    """The training samples one generation request carries: a group's `n` with `rollout.group_requests`,
-    else one."""
-    return int(rollout.n) if rollout.group_requests else 1
+def samples_per_request(rollout: Any, n: int | None = None) -> int:
+    """The samples one generation request carries: a group's `n` (`rollout.n`, or the `n` given, e.g.
+    validation's) with `rollout.group_requests`, else one."""
+    if not rollout.group_requests:
+        return 1
+    return int(rollout.n if n is None else n)
 
 
 def ongoing_requests(cfg: Any) -> int:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from app.envs import make_factory
-from app.infra.resources import ongoing_requests
+from app.infra.resources import ongoing_requests, samples_per_request
 from app.records import Batch, Group, PipelineSnapshot, Prompt, ValResult
 from app.rollout import filtering
 from app.rollout.episode import EpisodeLimits, env_metrics
@@ -176,7 +176,7 @@ class Rollouter:
         as the replicas batch (`rollout.max_num_seqs` each, and no more than they take): vLLM's queue refills
         a slot as a sample ends, and a large file never waits out a request's deadline in a queue."""
         r = self.cfg.rollout
-        held = ongoing_requests(self.cfg) * (n if r.group_requests else 1)  # samples a replica takes
+        held = ongoing_requests(self.cfg) * samples_per_request(r, n)  # samples a replica takes
         at_once = min(2 * r.max_num_seqs, held) * r.max_replicas
         gate = asyncio.Semaphore(max(1, at_once // n))
 
