@@ -52,43 +52,54 @@ def write_prompts(cache_dir: str, path: Path, n: int) -> int:
     return len(rows)
 
 
-def push_medians(tracking_uri: str, run_id: str) -> dict[str, float]:
-    """Median per push, in ms, of the whole push as the trainer sees it (`sync/time_s`) and of the
-    generation pause a client sees (`sync/pause_s`: the replica held its generations, pause to resume); and
-    median per step of the batch's generation, the training, the trainer's wait for rollouts and the step."""
-    import statistics
+MEDIANS = (
+    ("sync/time_s", "push_ms"),
+    ("sync/pause_s", "pause_ms"),
+    # a step's parts: what bounds the overlap one_step_off can win ((gen + train) / max(gen, train))
+    ("timing/generate_s", "generate_ms"),
+    ("timing/train_s", "train_ms"),
+    ("timing/wait_rollout_s", "wait_rollout_ms"),
+    ("timing/step_s", "step_ms"),
+)
+"""The run's metrics whose medians the bench reports, and their names in its results."""
 
+
+def run_series(tracking_uri: str, run_id: str) -> dict[str, list[float]]:
+    """Each metric of `MEDIANS` of the run, its values in step order (an empty list where none was logged):
+    read once, for `push_medians` and `per_step`."""
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(tracking_uri)
-    out = {}
-    for key, name in (
-        ("sync/time_s", "push_ms"),
-        ("sync/pause_s", "pause_ms"),
-        # a step's parts: what bounds the overlap one_step_off can win ((gen + train) / max(gen, train))
-        ("timing/generate_s", "generate_ms"),
-        ("timing/train_s", "train_ms"),
-        ("timing/wait_rollout_s", "wait_rollout_ms"),
-        ("timing/step_s", "step_ms"),
-    ):
-        vals = [m.value for m in c.get_metric_history(run_id, key)]
-        out[name] = round(1000 * statistics.median(vals), 2) if vals else float("nan")
-    return out
+    return {
+        key: [m.value for m in sorted(c.get_metric_history(run_id, key), key=lambda m: m.step)]
+        for key, _ in MEDIANS
+    }
+
+
+def push_medians(series: dict[str, list[float]]) -> dict[str, float]:
+    """Median per push, in ms, of the whole push as the trainer sees it (`sync/time_s`) and of the
+    generation pause a client sees (`sync/pause_s`: the replica held its generations, pause to resume); and
+    median per step of the batch's generation, the training, the trainer's wait for rollouts and the step.
+    `series`: `run_series`."""
+    import statistics
+
+    return {
+        name: round(1000 * statistics.median(series[key]), 2) if series[key] else float("nan")
+        for key, name in MEDIANS
+    }
 
 
 def per_step(
-    tracking_uri: str, run_id: str, points: list[tuple[int, float, float]]
+    series: dict[str, list[float]], points: list[tuple[int, float, float]]
 ) -> dict[str, list[float]]:
     """Each step's seconds (generation, training, wait for rollouts, the whole step) and each step's end after
     the first step's (`end_s`, from `points`: `steady_points`), in step order: what a median hides, e.g.
-    whether the steady state's window gained from a warm-up that overlapped generation."""
-    from mlflow.tracking import MlflowClient
-
-    c = MlflowClient(tracking_uri)
-    out: dict[str, list[float]] = {}
-    for key in ("generate", "train", "wait_rollout", "step"):
-        hist = sorted(c.get_metric_history(run_id, f"timing/{key}_s"), key=lambda m: m.step)
-        out[f"{key}_s"] = [round(m.value, 3) for m in hist]
+    whether the steady state's window gained from a warm-up that overlapped generation. `series`:
+    `run_series`."""
+    out = {
+        f"{key}_s": [round(v, 3) for v in series[f"timing/{key}_s"]]
+        for key in ("generate", "train", "wait_rollout", "step")
+    }
     ends = sorted(points)
     out["end_s"] = [round(p[1] - ends[0][1], 3) for p in ends] if ends else []
     return out
@@ -275,14 +286,15 @@ def run_modes(args: argparse.Namespace, common: list[str]) -> dict[str, dict]:
             )
             res = driver.run(cfg)
             points = steady_points(res["tracking_uri"], res["run_id"])
+            series = run_series(res["tracking_uri"], res["run_id"])
             results[mode] = {
                 "steps": res["steps"],
                 "trained_tokens": res["trained_tokens"],
                 "loop_s": round(res["loop_s"], 2),
                 "tokens_per_s": round(res["trained_tokens"] / res["loop_s"], 1),
                 "steady_tokens_per_s": round(steady_tokens_per_s(points), 1),
-                **push_medians(res["tracking_uri"], res["run_id"]),
-                "per_step": per_step(res["tracking_uri"], res["run_id"], points),
+                **push_medians(series),
+                "per_step": per_step(series, points),
             }
             log.info("%s: %s", mode, {k: v for k, v in results[mode].items() if k != "per_step"})
     finally:

@@ -69,7 +69,7 @@ def test_earlier_runs_join_the_ratios_only_when_their_settings_match(tmp_path):
 def test_per_step_lists_each_step_in_order_and_the_ends_after_the_first(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from bench.async_speedup import per_step, steady_points
+    from bench.async_speedup import per_step, run_series, steady_points
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     c = MlflowClient(uri)
@@ -82,9 +82,25 @@ def test_per_step_lists_each_step_in_order_and_the_ends_after_the_first(tmp_path
         c.log_metric(run, "timing/train_s", train, timestamp=ms, step=step)
         c.log_metric(run, "timing/step_s", max(gen, train), timestamp=ms, step=step)
         c.log_metric(run, "train/tokens", 1000.0, timestamp=ms, step=step)
-    got = per_step(uri, run, steady_points(uri, run))
+    got = per_step(run_series(uri, run), steady_points(uri, run))
     assert got["generate_s"] == [12.0, 10.25, 9.75]
     assert got["train_s"] == [20.0, 5.0, 5.5]
     assert got["step_s"] == [20.0, 10.25, 9.75]
     assert got["wait_rollout_s"] == []  # not logged: an empty list, not an error
     assert got["end_s"] == [0.0, 10.5, 21.0]
+
+
+def test_push_medians_read_the_same_series_per_step_lists(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from bench.async_speedup import push_medians, run_series
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = MlflowClient(uri)
+    run = c.create_run(c.create_experiment("e")).info.run_id
+    for step, gen, push in ((2, 10.25, 0.02), (1, 12.0, 0.03), (3, 9.75, 0.0185)):
+        c.log_metric(run, "timing/generate_s", gen, step=step)
+        c.log_metric(run, "sync/time_s", push, step=step)
+    got = push_medians(run_series(uri, run))
+    assert got["generate_ms"] == 10250.0 and got["push_ms"] == 20.0
+    assert math.isnan(got["train_ms"]) and math.isnan(got["pause_ms"])  # not logged: NaN, not an error
