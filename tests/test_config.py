@@ -374,7 +374,7 @@ def test_cli_section_typo_names_the_valid_sections_and_prints_result():
             "model.path=builtin:tinyy",
             "choose exactly one of builtin:tiny, builtin:tiny-code, builtin:tiny-calc",
         ),
-        ("data.val=builtin:arth", "choose exactly one of builtin:arith, builtin:code, builtin:calc"),
+        ("data.val=builtin:arth", "choose exactly one of builtin:arith, builtin:wordproblems, builtin:code"),
     ],
 )
 def test_wrong_values_say_what_is_expected(override, expected):
@@ -471,7 +471,7 @@ def test_real_model_with_toy_settings_is_refused_naming_every_fix():
         "train.lr=0.001 (e.g. train.lr=1e-6)",
         "model.dtype=float32 (e.g. model.dtype=bfloat16)",
         "vLLM or the trainer on CPU",
-        "`--config gsm8k` or `--config math`",
+        "`--config gsm8k` or `--config math` on GPUs, `--config laptop`",
         "model.allow_toy_settings=true",
     ):
         assert part in msg, (part, msg)
@@ -490,19 +490,54 @@ def test_allow_toy_settings_keeps_them_on_purpose():
     assert cfg.model.path == "/models/m" and cfg.data.val == "builtin:arith"
 
 
-@pytest.mark.parametrize(
-    "preset, model, fn, val_size",
-    [
-        ("gsm8k", "Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", 1319),
-        ("math", "Qwen/Qwen2.5-1.5B-Instruct", "math", 500),
-    ],
-)
-def test_real_work_presets(preset, model, fn, val_size):
-    cfg = load_config(preset, [])
-    assert cfg.model.path == model and cfg.model.dtype == "bfloat16" and cfg.reward.fn == fn
-    assert cfg.train.lr == 1e-6 and cfg.data.max_prompt_tokens >= 512 and cfg.rollout.max_tokens >= 1024
-    assert cfg.data.val.endswith("test.parquet") and cfg.data.val_size == val_size
-    assert load_config(preset, ["model.path=/models/mine"]).model.path == "/models/mine"
+def test_math_preset_is_real_work():
+    cfg = load_config("math", [])
+    assert cfg.model.path == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.model.dtype == "bfloat16"
+    assert cfg.reward.fn == "math" and cfg.train.lr == 1e-6 and cfg.rollout.max_tokens >= 1024
+    assert cfg.data.val.endswith("test.parquet") and cfg.data.val_size == 500
+    assert load_config("math", ["model.path=/models/mine"]).model.path == "/models/mine"
+
+
+def test_gsm8k_preset_runs_a_real_model_without_a_hub_or_files():
+    """`--config gsm8k` as it stands: SmolLM2-135M on the built-in word problems, with the shaped reward, CUDA
+    graphs and an lr that moves a small model; the real GSM8K is two overrides away."""
+    cfg = load_config("gsm8k", [])
+    assert cfg.model.path == "builtin:smollm2-135m" and cfg.model.dtype == "bfloat16"
+    assert cfg.data.train == cfg.data.val == "builtin:wordproblems" and cfg.data.val_size == 0
+    assert cfg.reward.fn == "gsm8k_shaped" and cfg.rollout.cuda_graphs and cfg.train.lr == 1e-5
+    real = load_config(
+        "gsm8k",
+        ["model.path=Qwen/Qwen2.5-0.5B-Instruct", "data.train=g/train.parquet", "data.val=g/test.parquet"],
+    )
+    assert real.data.train == "g/train.parquet" and real.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_laptop_preset_is_a_real_model_on_cpu():
+    """A real model on CPU cores with real data, lengths and lr is no toy run (float32 and the CPU placement
+    count as toy settings only beside a toy dataset, length or lr)."""
+    cfg = load_config("laptop", [])
+    assert cfg.model.path == "builtin:smollm2-135m" and cfg.model.dtype == "float32"
+    assert cfg.rollout.replica_gpus == 0 and not cfg.train.use_gpu and cfg.resources.rollout_gpus == 0
+    assert load_config("laptop", ["model.path=/models/small"]).model.path == "/models/small"
+    with pytest.raises(ConfigError, match="rollout.max_tokens=8"):
+        load_config("laptop", ["rollout.max_tokens=8", "model.path=/models/small"])
+
+
+def test_tiny_models_refuse_the_real_task():
+    with pytest.raises(
+        ConfigError, match=r"builtin:wordproblems needs a real tokenizer.*builtin:smollm2-135m"
+    ):
+        load_config(None, ["data.train=builtin:wordproblems", "data.val=builtin:wordproblems"])
+
+
+def test_a_gpu_preset_on_a_machine_without_a_gpu_is_refused_in_one_line():
+    from app.infra.resources import ResourceError, check_local_gpus
+
+    with pytest.raises(ResourceError, match=r"this machine has no GPU.*--config laptop"):
+        check_local_gpus(load_config("gsm8k", []), 0)
+    check_local_gpus(load_config("gsm8k", []), 1)  # a GPU: fine
+    check_local_gpus(load_config("laptop", []), 0)  # the CPU preset: fine
+    check_local_gpus(load_config(None, []), 0)  # the embedded default: fine
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 The reference step is the padded one with full float32 logits (`train.micro_batch_tokens=0`,
 `train.logprob_chunk_tokens=0`); on CPU in float32 the packed, chunked step must give the same loss, metrics
-and gradients to 1e-5, in every loss aggregation mode, with an in-trainer reference (KL) and under FSDP2.
+and gradients to 1e-5, in every loss aggregation mode, with an in-trainer reference (KL) and under FSDP2, on
+every packable architecture (Llama, Mistral, Qwen2, Qwen3); any other architecture trains padded.
 """
 
 import math
@@ -260,6 +261,126 @@ def test_step_equivalence(tmp_path, extra):
         assert g.keys() == ref_g.keys()
         for k, v in ref_g.items():
             torch.testing.assert_close(g[k], v, atol=1e-5, rtol=0, msg=lambda s, k=k, n=name: f"{n} {k}: {s}")
+
+
+# ---------------------------------------------------------------- architectures
+
+# tiny random models of the packable types (app.trainer.packing.PACKED_MODEL_TYPES); the sequences of `_rows()`
+# run 3 to 13 tokens, so Mistral's window of 6 and Qwen3's sliding layer (window 5) cut into the longer ones
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral_window6": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3_sliding_layer": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "layer_types": ["full_attention", "sliding_attention"],
+            "sliding_window": 5,
+            "use_sliding_window": True,
+        },
+    ),
+}
+
+
+def _arch_dir(tmp_path, arch: str) -> str:
+    """A tiny randomly initialised model of `arch` (hidden 64, 2 layers, 4 heads, 2 KV heads), saved; `arch`
+    is a key of ARCHS or a transformers prefix with `<arch>Config` and `<arch>LMHeadModel` (GPT2)."""
+    import transformers
+
+    cfg_cls, model_cls, extra = ARCHS.get(arch) or (f"{arch}Config", f"{arch}LMHeadModel", {})
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        **extra,
+    )
+    path = tmp_path / arch
+    getattr(transformers, model_cls)(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _step(path: str, keys: list[str]) -> tuple[Learner, dict[str, float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    cfg = load_config(None, ["train.lr=0.01", "algorithm.correction=tis", "algorithm.kl_coef=0.1", *keys])
+    learner = Learner(cfg, path, torch.device("cpu"))
+    return learner, *step_with_grads(learner, _batch())
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_step_equals_padded_per_architecture(tmp_path, arch):
+    """Each packable architecture: the packed step (chunked and full log-probs; per_seq attention on CPU),
+    with an in-trainer KL reference, gives the padded step's loss, metrics and gradients; Mistral's also
+    with its layers compiled."""
+    from app.trainer.packing import packable
+
+    path = _arch_dir(tmp_path, arch)
+    ref, ref_m, ref_g = _step(path, VARIANTS["padded_full"])
+    assert not ref.packed and ref_m["loss/policy"] != 0 and ref_m["actor/grad_norm"] > 0
+    names = ["packed_chunked", "packed_full"] + (
+        ["packed_chunked_compiled_fused"] if "mistral" in arch else []
+    )
+    for name in names:
+        learner, m, g = _step(path, VARIANTS[name])
+        assert learner.packed and packable(learner.model.config.model_type), name
+        for k, v in ref_m.items():
+            assert m[k] == pytest.approx(v, abs=1e-5), (name, k)
+        assert g.keys() == ref_g.keys()
+        for k, v in ref_g.items():
+            torch.testing.assert_close(g[k], v, atol=1e-5, rtol=0, msg=lambda s, k=k, n=name: f"{n} {k}: {s}")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_forward_builds_no_mask(tmp_path, arch, monkeypatch):
+    """A packed forward never reaches transformers' mask building: neither the packed-sequence detection
+    (a host synchronisation) nor the mask function (a [T, T] mask) runs."""
+    from transformers import masking_utils
+
+    from app.trainer.learner import build_fsdp_model
+    from app.trainer.packing import ATTN_NAME
+
+    model = build_fsdp_model(
+        _arch_dir(tmp_path, arch), "float32", torch.device("cpu"), train=False, packed=True
+    )
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a packed forward built a mask")
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", boom)
+    monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, ATTN_NAME, boom)
+    with torch.no_grad():
+        got, _ = scored_logprobs(model, collate_packed(_rows(), torch.device("cpu"), "per_seq"), 4)
+    assert torch.isfinite(got).all()
+
+
+def test_unsupported_architecture_trains_padded_with_one_warning(tmp_path, caplog):
+    """GPT-2 is not a packable type: with train.micro_batch_tokens > 0 the learner takes padded
+    micro-batches, says so in one warning naming the model type and the setting, and steps exactly as with
+    train.micro_batch_tokens=0."""
+    from app.trainer.packing import packable, packing_enabled
+
+    assert not packable("gpt2") and packable("llama") and not packing_enabled(0, "llama")
+    path = _arch_dir(tmp_path, "GPT2")
+    with caplog.at_level("WARNING"):
+        learner, m, g = _step(path, VARIANTS["packed_chunked"])
+    warned = [r for r in caplog.records if r.name == "app.trainer.packing"]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    msg = warned[0].getMessage()
+    assert "'gpt2'" in msg and "train.micro_batch_tokens=20" in msg and "\n" not in msg
+    assert not learner.packed and "packed" not in learner.collate(_rows()[:2])
+    ref = ["train.micro_batch_tokens=0", *VARIANTS["packed_chunked"][1:]]
+    _, ref_m, ref_g = _step(path, ref)
+    assert m == ref_m
+    for k, v in ref_g.items():
+        torch.testing.assert_close(g[k], v, atol=0, rtol=0)
 
 
 def _fsdp_one_rank(port: int, path: str, keys: list[str], q) -> None:

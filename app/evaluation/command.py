@@ -51,6 +51,10 @@ def load(config_file: str | None, overrides: list[str]) -> DictConfig:
     cfg = load_config(config_file, overrides)
     found = checkpoints.run_config(cfg.eval.checkpoint) if cfg.eval.checkpoint and not config_file else None
     if found is None:
+        if cfg.eval.checkpoint and checkpoints.is_hf_folder(Path(cfg.eval.checkpoint).expanduser()):
+            # weights no Relay run wrote are the model of this evaluation: held to the settings a run of that
+            # model is held to (the toy default's lengths, dtype and CPUs are refused, naming the presets)
+            load_config(config_file, [*overrides, f"model.path={Path(cfg.eval.checkpoint).expanduser()}"])
         return cfg
     saved, where = found
     with tempfile.TemporaryDirectory(prefix="relay-eval-") as tmp:
@@ -83,9 +87,10 @@ def _inherited(saved: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One evaluation (see the module docstring); returns the RESULT record, raises where it failed."""
-    from app.driver import Inputs, _open_run, resolve_inputs, start_ray, teardown
+    from app.driver import Inputs, _open_run, check_machine, resolve_inputs, start_ray, teardown
 
     t0 = time.time()
+    check_machine(cfg)
     weights = checkpoints.locate(cfg.eval.checkpoint) if cfg.eval.checkpoint else None
     cfg = _settings(cfg, weights)
     inputs = resolve_inputs(cfg)  # the model (built-in ones built), the prompt file checked: before Ray

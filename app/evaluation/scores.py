@@ -97,3 +97,13 @@ def metric_items(scores: dict[str, dict[str, float]], prefix: str) -> dict[str, 
 def ks_for(ks: Sequence[int], n: int) -> list[int]:
     """The k of `ks` that n samples per prompt can estimate (k <= n), sorted, without repeats."""
     return sorted({k for k in ks if 1 <= k <= n})
+
+
+def sub_score_means(extras: Iterable[dict[str, float]], prefix: str = "") -> dict[str, float]:
+    """The mean of each named sub-score over the samples that report it (a reward's dict extras, e.g. the
+    `gsm8k_shaped` reward's `strict` and `flexible`), keyed `prefix + name`."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for ex in extras:
+        for k, v in ex.items():
+            sums[k].append(float(v))
+    return {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(sums.items())}

@@ -350,6 +350,33 @@ def check_placement(cfg: Any, build: str | None = None) -> None:
         )
 
 
+def asks_for_gpus(cfg: Any) -> bool:
+    """The config places some role on GPUs (a `resources.*_gpus` share, colocation, or a per-role GPU setting)."""
+    r = cfg.resources
+    per_role = cfg.rollout.replica_gpus or cfg.train.use_gpu or cfg.ref.worker_gpus
+    return bool(r.rollout_gpus or r.train_gpus or r.ref_gpus or r.colocate or per_role)
+
+
+def local_gpu_count() -> int:
+    """The CUDA devices this machine shows (0 with a CPU build of torch)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_local_gpus(cfg: Any, local_gpus: int) -> None:
+    """Refuse, before a local Ray cluster starts, a config that asks for GPUs on a machine with none
+    (`local_gpus`: the CUDA devices this machine shows), naming the CPU preset."""
+    if local_gpus > 0 or not asks_for_gpus(cfg):
+        return
+    raise ResourceError(
+        "this machine has no GPU (no CUDA device is visible), but the config places vLLM or the trainer on GPUs "
+        "(resources.*_gpus, resources.colocate, rollout.replica_gpus or train.use_gpu): on a machine without a "
+        "GPU use `--config laptop` (a real model on CPU cores) or the embedded default; or run on a GPU "
+        "machine, or join a cluster that has GPUs with ray.address=HOST:PORT"
+    )
+
+
 def check_nccl_devices(cfg: Any, transport: str) -> None:
     """NCCL puts one rank on one GPU: the `broadcast` transport on GPUs cannot reach two replicas that share a
     GPU (NCCL refuses a communicator with two ranks on one device, at the first push). Refuse such a plan

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from app.rewards.humaneval import humaneval_reward
 from app.rewards.sandbox import code_reward
 from app.rewards.styles import InvalidReturn, RewardCall, RewardInput, SignatureError
 
@@ -102,6 +103,33 @@ def gsm8k_reward(response: str, answer: str, flexible: bool = False) -> float:
     return 1.0 if truth is not None and pred is not None and truth == pred else 0.0
 
 
+def gsm8k_shaped_reward(response: str, answer: str) -> dict[str, float]:
+    """GSM8K with partial credit, for models that rarely write the strict form at first (verl's gsm8k reward
+    has the flexible match and the format score; this combines them):
+
+    * 1.0: the answer after the last `#### ` is right (the strict match);
+    * 0.8: no right `#### N`, but the response's last number is right (the flexible match);
+    * 0.1: a `#### N` that is wrong (the format alone);
+    * 0.0: otherwise.
+
+    Extras `strict`, `flexible` and `formatted` (0/1) are logged per step and at validation beside the score.
+    """
+    truth = _as_decimal(extract_gsm8k(answer, flexible=True))
+    strict_pred = _as_decimal(extract_gsm8k(response))
+    numbers = _NUMBER.findall(response)
+    last = _as_decimal(_normalize_number(numbers[-1])) if numbers else None
+    strict = truth is not None and strict_pred == truth
+    flexible = truth is not None and (strict or last == truth)
+    formatted = strict_pred is not None
+    score = 1.0 if strict else 0.8 if flexible else 0.1 if formatted else 0.0
+    return {
+        "score": score,
+        "strict": float(strict),
+        "flexible": float(flexible),
+        "formatted": float(formatted),
+    }
+
+
 def math_reward(response: str, answer: str) -> float:
     """1.0 when the response's final answer is mathematically equivalent to `answer` (math-verify: LaTeX or
     plain expressions, `\\boxed{}` preferred; 1/2 == 0.5 == \\frac{1}{2}, (x+1)^2 == x^2+2x+1), else 0.0.
@@ -120,8 +148,10 @@ def math_reward(response: str, answer: str) -> float:
 BUILTINS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "gsm8k": gsm8k_reward,
+    "gsm8k_shaped": gsm8k_shaped_reward,
     "math": math_reward,
     "code": code_reward,
+    "humaneval": humaneval_reward,
 }
 
 
@@ -129,7 +159,7 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     """The reward function named by `spec` (the `reward.fn` setting).
 
     `exact_match`, `gsm8k`, `math`, `auto` (gsm8k when `data_source` contains "gsm8k", math for math-like
-    sources (math, aime, amc, olympiad), the sandbox for `code`, else exact_match), or a
+    sources (math, aime, amc, olympiad), the sandbox for `code` and `humaneval`, else exact_match), or a
     dotted path `pkg.module:function` / `pkg.module.function` to a user function in one of the styles of
     app/rewards/styles.py. Raises ValueError naming the spec and the fix when it cannot be resolved, and
     SignatureError (a ValueError) naming the supported styles when its parameters fit none of them.
@@ -139,6 +169,8 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
         source = (data_source or "").lower()
         if source == "code":  # app.tasks.code's rows: run the program on the row's tests in the sandbox
             return code_reward
+        if source == "humaneval":  # app.tasks.humaneval's rows: the problem's tests in the sandbox
+            return humaneval_reward
         if "gsm8k" in source:
             return gsm8k_reward
         if any(k in source for k in ("math", "aime", "amc", "olympiad")):
@@ -147,8 +179,9 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     if spec in BUILTINS:
         return BUILTINS[spec]
     hint = (
-        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'math', 'code' or a dotted path "
-        "'pkg.module:function' to a function importable from the working directory (PYTHONPATH)"
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', 'code', "
+        "'humaneval' or a dotted path 'pkg.module:function' to a function importable from the working "
+        "directory (PYTHONPATH)"
     )
     from app.plugins import PluginError, resolve
 
@@ -258,7 +291,7 @@ def warm_up(fn: RewardFn) -> None:
     first reward's deadline does not pay for it."""
     if fn is math_reward:
         import math_verify  # noqa: F401
-    if fn is code_reward:
+    if fn is code_reward or fn is humaneval_reward:
         from app.rewards.sandbox import isolation
 
         isolation()

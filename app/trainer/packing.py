@@ -8,17 +8,29 @@ attention needs.
 Attention boundaries. Transformers' own packed-sequence detection (restarting `position_ids`, no
 `attention_mask`) builds a `[T, T]` mask per forward, costs a host synchronisation, and on transformers 5.19
 with sdpa/eager on CPU did not keep sequences apart (a later sequence's logits differed by 0.46 from its
-own forward). So the packed forward passes a mask mapping of `None`s (no mask is built) and a
-`PackedSeqs` record that reaches our attention function, registered with transformers' `AttentionInterface`
-as ``relay_packed``:
+own forward). So the packed forward passes no mask of its own: `attention_mask` is `no_mask()`, an empty 4-D
+tensor, which transformers' mask builders (`create_causal_mask`, `create_sliding_window_causal_mask`) take
+for a prepared mask and return unchanged before they read `position_ids` (so no mask is built and no
+host synchronisation happens), in every model that builds its masks through them, whether it keeps one mask
+(Llama, Mistral) or a mapping per layer type (Qwen2, Qwen3). A `PackedSeqs` record reaches our attention
+function, registered with transformers' `AttentionInterface` as ``relay_packed``, which ignores the mask on
+packed calls:
 
 * ``varlen``: `torch.nn.attention.varlen.varlen_attn` (FlashAttention's varlen kernel: one call over
   every sequence, causal inside each), on CUDA in bf16/fp16;
 * ``per_seq``: one causal `scaled_dot_product_attention` per sequence (exact on any device and dtype; the
   CPU path, and the GPU fallback where varlen is missing).
 
-``auto`` takes varlen where it applies, else per_seq. Calls without a `PackedSeqs` (padded batches: the
-reference forward, `Learner.logprobs_of`) go to transformers' sdpa attention with its usual mask.
+``auto`` takes varlen where it applies, else per_seq. A layer's sliding window (Mistral, Qwen2/Qwen3 sliding
+layers) applies inside each sequence. Calls without a `PackedSeqs` (padded batches: the reference forward,
+`Learner.logprobs_of`) go to transformers' sdpa attention with its usual mask.
+
+Which models. Packing is exact only where attention is the one place tokens mix and every attention layer
+goes through the attention interface with the model's rotary positions from `position_ids`: a model with a
+convolution, a recurrent or linear-attention layer, or a mask builder of its own would mix the packed
+sequences silently. So the packed path serves the model types in `PACKED_MODEL_TYPES` (each checked against
+the padded step in tests/test_packed_step.py); `packing_enabled` sends any other model to padded
+micro-batches, with one warning.
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ log = logging.getLogger(__name__)
 
 ATTN_NAME = "relay_packed"
 PACKED_ATTENTION = ("auto", "varlen", "per_seq")
+# config.json `model_type`s whose packed step equals the padded one (tests/test_packed_step.py)
+PACKED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 @dataclass
@@ -46,6 +60,37 @@ class PackedSeqs:
     cu_host: list[int]
     max_len: int
     mode: str = "auto"
+
+
+# ---------------------------------------------------------------- which models
+
+
+def packable(model_type: str) -> bool:
+    """Whether packed micro-batches serve a model of this config.json `model_type` (one of
+    `PACKED_MODEL_TYPES`); pure, so the driver can ask before anything starts."""
+    return model_type in PACKED_MODEL_TYPES
+
+
+def packing_enabled(micro_batch_tokens: int, model_type: str, announce: bool = True) -> bool:
+    """Whether a trainer packs its micro-batches: `train.micro_batch_tokens > 0` on a `packable` model type.
+
+    A model type the packed path does not serve trains on padded micro-batches (as with
+    `train.micro_batch_tokens=0`) rather than fail at the first step; with `announce`, one warning names the
+    model type and the setting (pass it on one rank only, for one line per run).
+    """
+    if micro_batch_tokens <= 0:
+        return False
+    if packable(model_type):
+        return True
+    if announce:
+        log.warning(
+            "train.micro_batch_tokens=%d: packed micro-batches do not serve model type %r (they serve %s); "
+            "training on padded micro-batches, as with train.micro_batch_tokens=0",
+            micro_batch_tokens,
+            model_type,
+            ", ".join(sorted(PACKED_MODEL_TYPES)),
+        )
+    return False
 
 
 # ---------------------------------------------------------------- planning
@@ -179,37 +224,64 @@ def _varlen_kwargs(fn: Any) -> dict[str, Any]:
     return kw
 
 
-def _use_varlen(query: torch.Tensor, mode: str) -> bool:
-    ok = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_fn() is not None
+def _use_varlen(query: torch.Tensor, mode: str, window: int | None) -> bool:
+    fn = _varlen_fn()
+    ok = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and fn is not None
+    # a sliding window needs `window_size` (older releases' varlen_attn is causal only)
+    ok = ok and (window is None or "window_size" in _varlen_kwargs(fn))
     if mode == "varlen" and not ok:
         raise RuntimeError(
-            "train.packed_attention=varlen needs CUDA, bf16/fp16 compute and torch.nn.attention.varlen; "
-            "use auto or per_seq"
+            "train.packed_attention=varlen needs CUDA, bf16/fp16 compute and torch.nn.attention.varlen "
+            "(with window_size for a sliding-window model); use auto or per_seq"
         )
     return ok and mode in ("auto", "varlen")
 
 
 def _varlen(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p: PackedSeqs, scale: Any
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    p: PackedSeqs,
+    scale: Any,
+    window: int | None,
 ) -> torch.Tensor:
     fn = _varlen_fn()
+    kw = _varlen_kwargs(fn)
+    if window is not None:  # FlashAttention's left window counts the keys before the query: w - 1
+        kw = {**kw, "window_size": (window - 1, 0)}
     # [1, heads, T, dim] -> [T, heads, dim]
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-    out = fn(q, k, v, p.cu, p.cu, p.max_len, p.max_len, scale=scale, **_varlen_kwargs(fn))
+    out = fn(q, k, v, p.cu, p.cu, p.max_len, p.max_len, scale=scale, **kw)
     return out.unsqueeze(0)
 
 
+def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[n, n]`` boolean mask of one sequence: query i sees keys i - window < j <= i (transformers'
+    sliding-window rule)."""
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
+
+
 def _per_seq(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p: PackedSeqs, scale: Any
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    p: PackedSeqs,
+    scale: Any,
+    window: int | None,
 ) -> torch.Tensor:
     outs = []
     for a, b in itertools.pairwise(p.cu_host):
+        # only a sequence longer than the window needs a mask (its own [n, n], never the row's [T, T])
+        band = _band(b - a, window, query.device) if window is not None and b - a > window else None
         outs.append(
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, a:b],
                 key[:, :, a:b],
                 value[:, :, a:b],
-                is_causal=True,
+                attn_mask=band,
+                is_causal=band is None,
                 scale=scale,
                 enable_gqa=True,
             )
@@ -227,8 +299,9 @@ def packed_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Transformers attention function: packed rows (a `relay_packed` kwarg) attend within each sequence;
-    anything else is transformers' sdpa attention. Returns ``[1, T, heads, dim]`` like sdpa."""
+    """Transformers attention function: packed rows (a `relay_packed` kwarg) attend within each sequence,
+    causally and inside the layer's `sliding_window` if any, and ignore `attention_mask` (`no_mask`); anything
+    else is transformers' sdpa attention. Returns ``[1, T, heads, dim]`` like sdpa."""
     p = kwargs.pop("relay_packed", None)
     if p is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -236,26 +309,53 @@ def packed_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("packed micro-batches with sliding-window attention layers")
     if dropout:
         raise NotImplementedError("packed micro-batches with attention dropout")
-    fn = _varlen if _use_varlen(query, p.mode) else _per_seq
-    return fn(query, key, value, p, scaling).contiguous(), None
+    window = kwargs.get("sliding_window")
+    if window is not None and window >= p.max_len:  # no sequence reaches past it: plain causal attention
+        window = None
+    fn = _varlen if _use_varlen(query, p.mode, window) else _per_seq
+    return fn(query, key, value, p, scaling, window).contiguous(), None
 
 
 def enable_packed_attention(model: torch.nn.Module) -> None:
-    """Route `model`'s attention through `packed_attention` (padded calls keep sdpa and its masks)."""
+    """Route `model`'s attention through `packed_attention` (padded calls keep sdpa and its masks).
+
+    An attention layer that reads its sliding window from the config at each call (Mistral's) also gets it
+    as `sliding_window`, where Qwen2/Qwen3 layers keep theirs: app/trainer/compiled.py's packed forward
+    passes `module.sliding_window` on.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, packed_attention)
     AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.set_attn_implementation(ATTN_NAME)
+    window = getattr(model.config, "sliding_window", None)
+    if getattr(model.config, "layer_types", None) is None and window is not None:
+        for m in model.modules():
+            if type(m).__name__.endswith("Attention") and not hasattr(m, "sliding_window"):
+                m.sliding_window = window
+
+
+def no_mask(device: torch.device) -> torch.Tensor:
+    """The packed forward's `attention_mask` on `device`: an empty ``[1, 1, 0, 0]`` boolean tensor.
+
+    Transformers' mask builders return a 4-D `attention_mask` unchanged as a prepared mask, ahead of any
+    look at `position_ids` or the attention implementation, so the packed forward builds no ``[T, T]`` mask
+    and costs no host synchronisation (an empty tensor takes no memory and no copy). Only `packed_attention`
+    receives it, and it ignores it on packed calls; any other consumer (sdpa, eager) fails on its shape
+    rather than attending across sequences. Boolean, so that FSDP2's mixed precision leaves it alone.
+    """
+    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
 
 
 def packed_model_kwargs(mb: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of the base model's forward for a packed micro-batch: no mask is built (a mapping of
-    `None`s per layer type) and the boundaries travel to `packed_attention`."""
-    none_masks = {"full_attention": None, "sliding_attention": None}
-    return {"position_ids": mb["position_ids"], "attention_mask": none_masks, "relay_packed": mb["packed"]}
+    """Keyword arguments of the base model's forward for a packed micro-batch: the restarting position ids,
+    `no_mask` as `attention_mask` (no mask is built) and the boundaries, which travel to `packed_attention`."""
+    ids = mb["input_ids"]
+    return {
+        "position_ids": mb["position_ids"],
+        "attention_mask": no_mask(ids.device),
+        "relay_packed": mb["packed"],
+    }

@@ -69,7 +69,8 @@ class Validator:
             version,
             res.reward,
             res.n,
-            "".join(f"; {src}: {summary(v)}" for src, v in res.scores.items() if src != ALL),
+            "".join(f"; {src}: {summary(v)}" for src, v in res.scores.items() if src != ALL)
+            + "".join(f"; {k[4:]} {v:.3f}" for k, v in res.extra.items() if k.startswith("val/sub/")),
         )
         return res.reward
 
