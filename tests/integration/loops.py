@@ -307,3 +307,115 @@ def colocated_loop(config: dict[str, Any]) -> None:
     }
     with open(config["out"], "w") as f:
         json.dump(out, f, default=str)
+
+
+# ---------------------------------------------------------------- a real model on CPU (tests/integration/test_real_model.py)
+
+
+def _lp_pair(learner: Any, handle: Any, prompt: list[int], completion: list[int]) -> dict[str, Any]:
+    """The trainer's and the replica's log-probs of one fixed completion, and the replica's version."""
+    theirs = handle.completion_logprobs.remote(prompt, completion).result(timeout_s=120)
+    return {
+        "trainer": learner.logprobs_of(prompt, completion),
+        "vllm": theirs["logprobs"],
+        "version": theirs["version"],
+    }
+
+
+def _batch_record(batch: Any) -> list[dict[str, Any]]:
+    """What a test reads of a rollout batch: each group's prompt and each sample's tokens, reward, ending."""
+    return [
+        {
+            "uid": g.uid,
+            "prompt_ids": list(g.prompt_ids),
+            "answer": g.answer,
+            "samples": [
+                {
+                    "token_ids": list(s.token_ids),
+                    "text": s.text,
+                    "versions": list(s.versions),
+                    "finish_reason": s.finish_reason,
+                    "reward": s.reward,
+                    "reward_extras": dict(s.reward_extras),
+                    "reward_error": s.reward_error,
+                }
+                for s in g.samples
+            ],
+        }
+        for g in batch.groups
+    ]
+
+
+def real_model_loop(config: dict[str, Any]) -> None:
+    """The two-step run on one trainer rank (the real model's Adam state fills a 2-core machine's share).
+
+    Before any push, a greedy response to `config["probe"]` (prompt ids) and the replica's log-probs of it,
+    twice, under the weights it loaded from disk; then push v0 (the same values), and those log-probs again.
+    Then a rollout batch, the log-probs of one sampled response on both sides, step, push v1, a second batch,
+    step, push v2. After every push: the trainer's checksums of what it pushed, each vLLM worker's of what it
+    received, the replica's read-back (`loaded_checksums`) compared with them, and the log-probs of the
+    sampled response again. Writes the record to `config["out"]` as JSON."""
+    import time
+
+    import ray
+    import torch
+    from omegaconf import OmegaConf
+    from ray import serve
+
+    from app.records import GenerateRequest
+    from app.rollout.rollouter import rollouter_name
+    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+    from app.sync import TrainerSync
+    from app.trainer.learner import Learner
+    from app.weights.actors import NAMESPACE
+    from app.weights.hub import hub_name
+
+    cfg = OmegaConf.create(config["cfg"])
+    timeout_s = float(config.get("timeout_s", 300))
+    dev = torch.device("cpu")
+    t0 = time.monotonic()
+    learner = Learner(cfg, config["model_path"], dev)
+    if learner.world != 1:
+        raise ValueError(f"real_model_loop runs on one trainer rank, not {learner.world}")
+    sync = TrainerSync(cfg, learner, ray.get_actor(hub_name(cfg.ray.name), namespace=NAMESPACE), dev)
+    handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
+    rollouter = ray.get_actor(rollouter_name(cfg.ray.name), namespace=NAMESPACE)
+    out: dict[str, Any] = {"build_s": time.monotonic() - t0, "pushes": [], "exact": [], "steps": []}
+    out["trainer_checksums"], out["acks"], out["batches"] = [], [], []
+
+    def push(version: int) -> None:
+        stats = _push(sync, version)
+        out["pushes"].append(stats.record())
+        out["acks"].append(
+            {"pushed": stats.checksums, "received": {r: a["checksums"] for r, a in stats.extra.items()}}
+        )
+        mine = _trainer_checksums(learner)
+        out["trainer_checksums"].append(mine)
+        out["exact"].append(_compare(mine, handle.loaded_checksums.remote().result(timeout_s=120)))
+
+    probe = list(config["probe"])
+    req = GenerateRequest(prompt_ids=probe, max_tokens=int(cfg.rollout.max_tokens), temperature=0.0)
+    answer = list(handle.generate.remote(req).result(timeout_s=timeout_s).samples[0].token_ids)
+    ask = lambda: handle.completion_logprobs.remote(probe, answer).result(timeout_s=120)  # noqa: E731
+    out["probe"] = {"completion": answer, "disk": [ask(), ask()]}
+    push(0)
+    out["probe"]["v0"] = ask()
+
+    prompt: list[int] = []
+    completion: list[int] = []
+    for version in (1, 2):
+        t = time.monotonic()
+        batch = ray.get(rollouter.generate_batch.remote(int(cfg.train.batch_groups)), timeout=timeout_s)
+        out["batches"].append({"generate_s": time.monotonic() - t, "groups": _batch_record(batch)})
+        if version == 1:  # one sampled response of the pretrained policy, followed through both steps
+            prompt, completion = list(batch.groups[0].prompt_ids), list(batch.groups[0].samples[0].token_ids)
+            out["logprobs"] = [_lp_pair(learner, handle, prompt, completion)]
+        t = time.monotonic()
+        out["steps"].append({**learner.step(batch), "step_s": time.monotonic() - t})
+        push(version)
+        out["logprobs"].append(_lp_pair(learner, handle, prompt, completion))
+    out["replica"] = handle.info.remote().result(timeout_s=60)["version"]
+    out["pushed"] = [n for n, _, _ in learner.push_specs()]
+    out["wall_s"] = time.monotonic() - t0
+    with open(config["out"], "w") as f:
+        json.dump(out, f)
