@@ -108,3 +108,18 @@ def test_validation_logs_per_source_scores_where_they_say_more_than_the_reward()
     }
     two = score([PromptRewards("a", [1.0]), PromptRewards("b", [0.0])], [1], 1.0)
     assert per_source(two)["val/a/mean_at_1"] == 1.0 and per_source(two)["val/b/pass_at_1"] == 0.0
+
+
+def test_a_plain_hf_folder_without_config_is_held_to_real_work_settings(tmp_path):
+    """`eval --checkpoint <an HF folder no Relay run wrote>` with the embedded default's toy lengths, dtype and
+    CPUs is refused in one line naming the presets; with `--config` it takes that preset's settings."""
+    hf = tmp_path / "my-model"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        command.load(None, [f"eval.checkpoint={hf}"])
+    msg = str(e.value)
+    assert "\n" not in msg and f"model.path='{hf}'" in msg and "`--config gsm8k`" in msg, msg
+    cfg = command.load("laptop", [f"eval.checkpoint={hf}"])
+    assert cfg.rollout.max_tokens == 160 and cfg.data.max_prompt_tokens == 192

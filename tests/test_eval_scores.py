@@ -73,3 +73,21 @@ def test_metric_names_and_ks():
         "val/all/pass_at_2": 1.0,
     }
     assert ks_for([8, 1, 2, 1], 4) == [1, 2]
+
+
+def test_pass_at_k_per_prompt_by_hand():
+    from app.evaluation.scores import per_prompt
+
+    got = per_prompt([("a", [1.0, 0.0, 0.0, 1.0]), ("b", [0.0] * 4)], [1, 2, 4], 1.0)
+    assert got["a"] == {"passed": 2.0, "n": 4.0, "pass@1": 0.5, "pass@2": pytest.approx(5 / 6), "pass@4": 1.0}
+    assert got["b"] == {"passed": 0.0, "n": 4.0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0}
+
+
+def test_sub_score_means_over_the_samples_that_report_them():
+    from app.evaluation.scores import sub_score_means
+
+    extras = [{"strict": 1.0, "flexible": 1.0}, {"strict": 0.0, "flexible": 1.0}, {}, {"flexible": 0.0}]
+    assert sub_score_means(extras, "val/sub/") == {
+        "val/sub/flexible": pytest.approx(2 / 3),
+        "val/sub/strict": 0.5,
+    }

@@ -8,7 +8,8 @@ settings  a run's checkpoint brings the run's config (reward function, lengths, 
 generate  the rollout deployment and the rollouter of training (app/driver.py), named `<ray.name>-eval`
           so a training run on the same cluster keeps its own: `eval.n` samples of every prompt of
           `eval.data` (else `data.val`), scored by the reward function as in validation
-report    `<run_dir>/<eval run>/generations.jsonl` (one line per sample) and `scores.json`, an MLflow run
+report    `<run_dir>/<eval run>/generations.jsonl` (one line per sample) and `scores.json` (the scores per
+          source, the reward's sub-scores, pass@k per prompt), an MLflow run
           (`eval/<source>/mean_at_4`, `eval/<source>/pass_at_1`, ...) and the RESULT record
 """
 
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from app.config import ALL_KEYS, ConfigError, load_config
 from app.evaluation import checkpoints
 from app.evaluation.checkpoints import Weights
-from app.evaluation.scores import ALL, PromptRewards, metric_items, score
+from app.evaluation.scores import ALL, PromptRewards, metric_items, per_prompt, score, sub_score_means
 from app.records import Group
 
 log = logging.getLogger("app.eval")
@@ -176,9 +177,15 @@ def _report(cfg: DictConfig, rec: Any, groups: list[Group], where: dict[str, str
         cfg.eval.pass_threshold,
     )
     errors = sum(1 for r in rows if r["reward_error"])
-    (rec.dir / SCORES).write_text(json.dumps({"scores": scores, **where}, indent=1))
+    subs = sub_score_means(s.reward_extras for g in groups for s in g.samples)  # e.g. strict, flexible
+    problems = per_prompt(
+        [(g.uid, [s.reward for s in g.samples]) for g in groups], list(cfg.eval.k), cfg.eval.pass_threshold
+    )
+    record = {"scores": scores, "sub_scores": subs, "per_prompt": problems, **where}
+    (rec.dir / SCORES).write_text(json.dumps(record, indent=1))
     rec.tracker.tags({"relay.kind": "eval", "relay.weights": where["weights"], "relay.model": where["model"]})
-    rec.tracker.metrics({**metric_items(scores, "eval"), "eval/reward_errors": float(errors)}, 0)
+    metrics = {**metric_items(scores, "eval"), **{f"eval/sub/{k}": v for k, v in subs.items()}}
+    rec.tracker.metrics({**metrics, "eval/reward_errors": float(errors)}, 0)
     rec.tracker.artifact(str(gen_path))
     rec.tracker.artifact(str(rec.dir / SCORES))
     for src, values in scores.items():
@@ -195,6 +202,7 @@ def _report(cfg: DictConfig, rec: Any, groups: list[Group], where: dict[str, str
         "k": list(cfg.eval.k),
         "prompts": int(scores.get(ALL, {}).get("prompts", 0)),
         "scores": scores,
+        "sub_scores": subs,
         "reward_errors": errors,
         "generations": str(gen_path),
     }

@@ -107,3 +107,17 @@ def sub_score_means(extras: Iterable[dict[str, float]], prefix: str = "") -> dic
         for k, v in ex.items():
             sums[k].append(float(v))
     return {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(sums.items())}
+
+
+def per_prompt(
+    prompts: Iterable[tuple[str, Sequence[float]]], ks: Sequence[int], threshold: float
+) -> dict[str, dict[str, float]]:
+    """{uid: {"passed": c, "n": n, "pass@k": ... for each k <= n}} for each prompt's sample rewards: which
+    problems a model solves (HumanEval's per-problem pass@k), beside `score`'s means over them."""
+    out: dict[str, dict[str, float]] = {}
+    for uid, rewards in prompts:
+        n, c = len(rewards), sum(1 for r in rewards if r >= threshold)
+        row: dict[str, float] = {"passed": float(c), "n": float(n)}
+        row.update({pass_key(k): pass_at_k(n, c, k) for k in ks if 1 <= k <= n})
+        out[uid] = row
+    return out

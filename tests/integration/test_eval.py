@@ -86,6 +86,11 @@ def test_eval_of_the_final_checkpoint_matches_a_hand_count(ray_cluster, cache_di
         assert res["scores"][src]["prompts"] == (6 if src == "all" else 3)
     saved = json.loads(Path(tmp_path, "eval-it", "scores.json").read_text())
     assert saved["scores"] == res["scores"]
+    by_uid: dict[str, list[float]] = {}
+    for r in rows:
+        by_uid.setdefault(r["uid"], []).append(r["reward"])
+    assert saved["per_prompt"].keys() == by_uid.keys()  # each problem: how many of its samples passed
+    assert all(saved["per_prompt"][u]["passed"] == sum(x >= 1.0 for x in v) for u, v in by_uid.items())
     client = MlflowClient(res["tracking_uri"])
     run = client.get_run(res["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["relay.kind"] == "eval"
