@@ -294,7 +294,7 @@ def test_the_cli_refuses_a_failing_reward_before_ray_starts(tmp_path, capsys):
 
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 4096}))
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps(VERL_ROW) + "\n")
     args = [f"model.path={model}", f"data.train={data}", f"data.val={data}", f"reward.fn={EX}:needs_split"]
