@@ -38,11 +38,10 @@ def _full(p: dict) -> str:
     return f"Here is the function:\n\n```python\n{p['prompt']}{p['canonical_solution']}```\n\nIt works."
 
 
-def _score_all(responses: list[str]) -> list[dict]:
+def _score_all(responses: list[tuple[int, str]]) -> list[dict]:
+    """The rewards of (problem index, response) pairs."""
     with ThreadPoolExecutor(2) as pool:  # the machine may have 2 cores; run_program is thread-safe
-        return list(
-            pool.map(lambda ip: humaneval_reward(ip[1], _answer(ip[0]), LOADED), enumerate(responses))
-        )
+        return list(pool.map(lambda ip: humaneval_reward(ip[1], _answer(ip[0]), LOADED), responses))
 
 
 def test_task_writes_164_rows_once_that_load_as_prompt_files(tmp_path):
@@ -84,10 +83,13 @@ def test_the_program_keeps_the_prompt_and_appends_the_tests():
 
 
 @sandboxed
-def test_every_canonical_solution_passes_as_a_full_function_and_as_a_completion():
-    full = _score_all([_full(p) for p in PROBLEMS])
-    bare = _score_all([p["canonical_solution"] for p in PROBLEMS])
-    for p, a, b in zip(PROBLEMS, full, bare, strict=True):
+def test_canonical_solutions_pass_as_a_full_function_and_as_a_completion():
+    """Every fourth problem (41 of 164, each form): all 164 pass too (about 40 s of sandbox runs on 2 cores),
+    which this tier leaves out for time."""
+    some = range(0, len(PROBLEMS), 4)
+    full = _score_all([(i, _full(PROBLEMS[i])) for i in some])
+    bare = _score_all([(i, PROBLEMS[i]["canonical_solution"]) for i in some])
+    for p, a, b in zip((PROBLEMS[i] for i in some), full, bare, strict=True):
         assert a == {"score": 1.0} and b == {"score": 1.0}, (p["task_id"], a, b)
 
 
