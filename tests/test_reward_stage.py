@@ -12,7 +12,7 @@ from app.config import load_config
 from app.infra.resources import ResourceError, check, demands
 from app.records import Batch, Group, Sample
 from app.rewards import math_reward, resolve_reward_fn
-from app.rewards.pool import RewardPool, RewardWorker
+from app.rewards.pool import STARTUP_TIMEOUT_S, RewardPool, RewardProcesses, RewardWorker
 from app.rewards.styles import RewardInput
 from app.trainer.learner import batch_metrics
 
@@ -86,6 +86,28 @@ def test_exponent_towers_time_out_on_the_rollouter_path():
         assert (score, error) == (-1.0, "timeout")
         assert elapsed < 2 + 1
         assert ticks >= 10  # the loop ticked (every 50 ms) while the reward hung
+
+
+def test_the_reward_after_a_killed_one_runs_in_a_warm_spare():
+    """A reward that hangs is killed at its deadline; the next one runs in a process that was already up
+    (the spare started when the first reward took the only process), not one started after the kill."""
+    procs = RewardProcesses("tests.test_rewards:pid_or_hang", timeout_s=1.0, on_error=-1.0)
+    try:
+        assert procs.score(sample("a", "a")).score == 1.0
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:  # the spare starts in the background
+            with procs.lock:
+                warm = {p.proc.pid for p in procs.idle}
+            if len(warm) >= 2:
+                break
+            assert time.monotonic() < deadline, "no spare reward process was started"
+            time.sleep(0.05)
+        hung = procs.score(sample("hang", "a"))
+        assert hung.error == "timeout" and procs.killed[-1] in warm
+        after = procs.score(sample("a", "a"))
+        assert after.score == 1.0 and int(after.extras["pid"]) in warm - {procs.killed[-1]}
+    finally:
+        procs.close()
 
 
 def test_worker_returns_sub_scores():

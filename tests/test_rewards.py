@@ -282,6 +282,13 @@ def boom(response: str, answer: str) -> float:
     raise RuntimeError("reward crashed")
 
 
+def pid_or_hang(response: str, answer: str) -> dict:
+    """1.0 and the scoring process's pid; "hang" never returns."""
+    while response == "hang":
+        time.sleep(1)
+    return {"score": 1.0, "pid": float(os.getpid())}
+
+
 def subscores(response: str, answer: str) -> dict:
     return {"score": 1.0, "format": 0.5, "length": float(len(response))}
 

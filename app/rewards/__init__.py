@@ -287,10 +287,11 @@ def evaluate(fn: RewardFn | RewardCall, inp: RewardInput, on_error: float) -> Re
 
 
 def warm_up(fn: RewardFn) -> None:
-    """Do what `fn` does once, lazily (import math-verify and sympy; probe the code sandbox), so that the
+    """Do what `fn` does once, lazily (import math-verify and sympy, and score one answer: the first parse
+    and comparison build sympy's caches, 25x the cost of the next; probe the code sandbox), so that the
     first reward's deadline does not pay for it."""
     if fn is math_reward:
-        import math_verify  # noqa: F401
+        math_reward("\\boxed{1}", "1")
     if fn is code_reward or fn is humaneval_reward:
         from app.rewards.sandbox import isolation
 

@@ -189,10 +189,13 @@ class RewardProcesses:
     """Scores rewards in killable subprocesses, one reward per process at a time; thread-safe.
 
     `score()` blocks its thread (call it from a thread pool, never on an event loop). Processes are kept
-    for reuse (at most `max_idle`), killed at a deadline, after a MemoryError or on any protocol failure,
-    and a killed one is replaced in the background, so the next reward does not pay for the start. All
-    processes are started by one long-lived thread: their parent-death signal fires when the *thread* that
-    started them exits. `max_memory_mb` (None: no limit) is each process's RLIMIT_DATA.
+    for reuse (at most `max_idle`), killed at a deadline, after a MemoryError or on any protocol failure.
+    One warm spare is kept beside those in use: when a reward takes the last idle process, another is
+    started and readied (for every data source seen so far) in the background, so the reward after a
+    killed one takes the spare and starts within its own deadline instead of waiting for a replacement;
+    a killed process is replaced in the background too. All processes are started by one long-lived
+    thread: their parent-death signal fires when the *thread* that started them exits. `max_memory_mb`
+    (None: no limit) is each process's RLIMIT_DATA.
     """
 
     def __init__(
@@ -211,6 +214,8 @@ class RewardProcesses:
         self.killed: deque[int] = deque(maxlen=64)  # pids last killed at a deadline (tests, reports)
         self.output_dropped = 0  # bytes of reward output dropped beyond OUTPUT_CAP_BYTES, in total
         self.output_capped = 0  # rewards whose output was cut
+        self.sources: set[str] = set()  # data sources some process has resolved: a spare resolves them all
+        self.spares_pending = 0  # spares and replacements submitted to the spawner, not yet idle
 
     def _pop_idle(self) -> _Process | None:
         with self.lock:
@@ -221,8 +226,16 @@ class RewardProcesses:
         return proc
 
     def _take(self) -> _Process:
-        """An idle process, else (on the spawner, after any replacement under way) a new one."""
-        return self._pop_idle() or self.spawner.submit(self._pop_or_start).result()
+        """An idle process, else (on the spawner, after any replacement under way) a new one; the last idle
+        one taken, a spare is started behind it."""
+        proc = self._pop_idle() or self.spawner.submit(self._pop_or_start).result()
+        with self.lock:
+            start_spare = not self.idle and self.spares_pending == 0
+            if start_spare:
+                self.spares_pending += 1
+        if start_spare:
+            self.spawner.submit(self._replace, set(self.sources))
+        return proc
 
     def _pop_or_start(self) -> _Process:
         return self._pop_idle() or self._start()
@@ -238,7 +251,7 @@ class RewardProcesses:
         proc.kill()
 
     def _replace(self, sources: set[str]) -> None:
-        """A warm process for one that was killed (runs on the spawner thread)."""
+        """A warm process, ready for `sources`: a spare, or one for a killed process (on the spawner thread)."""
         try:
             proc = self._start()
             for ds in sorted(sources):
@@ -248,8 +261,11 @@ class RewardProcesses:
                     proc.kill()
                     return
         except (OSError, EOFError, ValueError) as e:
-            log.warning("could not start a replacement reward process: %s", e)
+            log.warning("could not start a spare reward process: %s", e)
             return
+        finally:
+            with self.lock:
+                self.spares_pending = max(0, self.spares_pending - 1)
         self._give_back(proc)
 
     def score(self, inp: RewardInput) -> RewardResult:
@@ -272,7 +288,9 @@ class RewardProcesses:
             if res.error == "timeout":
                 self.killed.append(proc.proc.pid)
             proc.kill()
-            self.spawner.submit(self._replace, set(proc.ready))
+            with self.lock:
+                self.spares_pending += 1
+            self.spawner.submit(self._replace, set(proc.ready) | self.sources)
         else:
             self._give_back(proc)
         return res
@@ -310,6 +328,7 @@ class RewardProcesses:
         if reply.get("error"):
             return RewardResult(self.on_error, "exception", str(reply["error"]))
         proc.ready.add(data_source)
+        self.sources.add(data_source)
         return None
 
     def _evaluate(self, proc: _Process, inp: RewardInput) -> RewardResult:
@@ -333,7 +352,7 @@ class RewardProcesses:
         return RewardResult(**reply)
 
     def close(self) -> None:
-        self.spawner.shutdown(wait=True)
+        self.spawner.shutdown(wait=True, cancel_futures=True)  # a spare not yet started never starts
         with self.lock:
             procs, self.idle = self.idle, []
         for p in procs:
