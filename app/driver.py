@@ -204,7 +204,7 @@ def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
     """The run folder under `run_dir` (durable: app/infra/storage.py) with its config, and its MLflow run."""
     from app.infra.run_lock import RunLock, new_run_name
     from app.infra.storage import resolve_run_dir
-    from app.infra.tracking import Tracker, artifact_root, default_uri
+    from app.infra.tracking import METRICS_FILE, Tracker, artifact_root, default_uri
 
     name = cfg.tracking.run_name or new_run_name()  # unique also for runs started in the same second
     root = resolve_run_dir(cfg.run_dir)
@@ -221,9 +221,9 @@ def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         uri = cfg.tracking.uri or default_uri(str(root))
         artifacts = artifact_root(cfg.tracking.artifact_uri, uri, root)  # not the working directory's mlruns
-        tracker = Tracker.start(
-            uri, cfg.tracking.experiment, name, flatten(cfg), artifacts
-        )  # unreachable: fails
+        tracker = Tracker.start(  # unreachable: fails
+            uri, cfg.tracking.experiment, name, flatten(cfg), artifacts, jsonl=run_dir / METRICS_FILE
+        )
     except BaseException:
         lock.release()
         raise
@@ -231,7 +231,9 @@ def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
     if resume:
         tracker.tags({"relay.resumed_from": resume})
         log.info("resuming from checkpoint %s", resume)
-    log.info("run %s: MLflow run %s at %s", name, tracker.run_id, uri)
+    watch = uri if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri}"
+    metrics = run_dir / METRICS_FILE
+    log.info("run %s: MLflow run %s (watch: %s); metrics also in %s", name, tracker.run_id, watch, metrics)
     tracker.start_system_metrics()
     return _Run(name=name, dir=run_dir, uri=uri, tracker=tracker, lock=lock)
 

@@ -325,7 +325,7 @@ def train_worker(config: dict[str, Any]) -> None:
 def build(cfg: Any, config: dict[str, Any]) -> Trainer:
     """This worker's learner (its FSDP2 shard), weight sync, batch source and, on rank 0, the loggers."""
     from app.infra.metrics import trainer_metrics
-    from app.infra.tracking import Tracker
+    from app.infra.tracking import METRICS_FILE, Tracker
 
     torch.manual_seed(cfg.train.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
@@ -333,9 +333,11 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
     learner = Learner(cfg, config["model_path"], device)
     actors = lookup_actors(cfg.ray.name, cfg.train.timeout_s)
     lead = learner.rank == 0
-    tracker = Tracker(config["tracking_uri"], config["run_id"]) if lead else None
-    prom = trainer_metrics()
     run_dir = Path(config["run_dir"])
+    tracker = (
+        Tracker(config["tracking_uri"], config["run_id"], jsonl=run_dir / METRICS_FILE) if lead else None
+    )
+    prom = trainer_metrics()
     return Trainer(
         cfg=cfg,
         rank=learner.rank,

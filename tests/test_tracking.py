@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from app.infra import tracking
-from app.infra.tracking import MetricNames, Tracker, TrackingError, check_reachable, safe_metric_name
+from app.infra.tracking import (
+    METRICS_FILE,
+    MetricNames,
+    Tracker,
+    TrackingError,
+    check_reachable,
+    safe_metric_name,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,7 +135,7 @@ def test_tracker_writes_to_sqlite_in_the_background(tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri = _sqlite(tmp_path)
-    t = Tracker.start(uri, "exp", "run-a", {"train.lr": 1e-3})
+    t = Tracker.start(uri, "exp", "run-a", {"train.lr": 1e-3}, jsonl=tmp_path / METRICS_FILE)
     t.metrics({"reward/sub/acc(strict)": 0.5, "loss": 2.0, "skip": math.nan, "text": "x"}, 1)  # type: ignore[dict-item]
     t.metrics({"reward/sub/acc(strict)": 0.75, "loss": 1.0}, 2)
     t.text("hello", "notes/hello.txt")
@@ -141,6 +148,12 @@ def test_tracker_writes_to_sqlite_in_the_background(tmp_path):
     }
     assert [m.step for m in MlflowClient(uri).get_metric_history(t.run_id, "loss")] == [1, 2]
     assert t.writer.dropped == 0
+    lines = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [{k: v for k, v in line.items() if k != "time"} for line in lines] == [
+        {"step": 1, "reward/sub/acc(strict)": 0.5, "loss": 2.0},
+        {"step": 2, "reward/sub/acc(strict)": 0.75, "loss": 1.0},
+    ]
+    assert all(line["time"] > 1e9 for line in lines)
 
 
 def test_one_refused_metric_drops_only_itself(tmp_path):

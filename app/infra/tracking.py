@@ -331,14 +331,44 @@ class BackgroundWriter:
         return ok and not left
 
 
-class Tracker:
-    """One MLflow run, written through a BackgroundWriter (usable from any process that knows the run id)."""
+METRICS_FILE = "metrics.jsonl"
 
-    def __init__(self, uri: str, run_id: str, queue_size: int = QUEUE_SIZE) -> None:
+
+class MetricsFile:
+    """Metrics appended to a local JSON-lines file, one line a call, each written whole (O_APPEND), so the
+    trainer and the driver can share one; a write that fails is warned about once and never raises."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.failed = path, False
+
+    def append(self, step: int, time_s: float, values: dict[str, float]) -> None:
+        line = json.dumps({"step": step, "time": round(time_s, 3), **values}, allow_nan=False) + "\n"
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if not self.failed:
+                log.warning("could not append metrics to %s (%s); MLflow still gets them", self.path, e)
+            self.failed = True
+
+
+class Tracker:
+    """One MLflow run, written through a BackgroundWriter (usable from any process that knows the run id).
+    With `jsonl` (the run folder's `metrics.jsonl`), every `metrics` call is also appended there as one JSON
+    line, `{"step": ..., "time": ..., name: value, ...}` (the names as given, before MLflow's renaming): the
+    run's numbers without MLflow, for `jq` or pandas."""
+
+    def __init__(
+        self, uri: str, run_id: str, queue_size: int = QUEUE_SIZE, jsonl: str | Path | None = None
+    ) -> None:
         from mlflow.tracking import MlflowClient
 
         http_defaults()
         self.uri, self.run_id = uri, run_id
+        self.jsonl = MetricsFile(Path(jsonl)) if jsonl is not None else None
         self.client = MlflowClient(tracking_uri=uri)
         self.names = MetricNames()
         self.writer = BackgroundWriter(uri, queue_size)
@@ -353,6 +383,7 @@ class Tracker:
         run_name: str | None,
         params: dict[str, Any],
         artifact_location: str | None = None,
+        jsonl: str | Path | None = None,
     ) -> Tracker:
         """Create the MLflow run (synchronously, before Ray starts); raises TrackingError naming the URI.
         `artifact_location` (see `artifact_root`) applies where the experiment is created now."""
@@ -367,7 +398,7 @@ class Tracker:
                 "check that the tracking server or store works, or leave tracking.uri empty for a local "
                 "SQLite store under run_dir"
             ) from e
-        return cls(uri, run_id)
+        return cls(uri, run_id, jsonl=jsonl)
 
     def tags(self, values: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -379,14 +410,17 @@ class Tracker:
         """Queue the finite numbers of `values` at `step` (names made safe); returns at once."""
         from mlflow.entities import Metric
 
-        ts, items, renamed = int(time.time() * 1000), [], False
+        ts, items, renamed, kept = int(time.time() * 1000), [], False, {}
         for k, v in values.items():
             if isinstance(v, numbers.Real) and math.isfinite(float(v)):
                 key, new = self.names(k)
                 renamed |= new
                 items.append(Metric(key, float(v), ts, step))
+                kept[k] = float(v)
         if renamed:
             self.tags({"relay.renamed_metrics": json.dumps(self.names.renamed)})
+        if self.jsonl is not None:
+            self.jsonl.append(step, ts / 1000, kept)
         self.writer.submit(f"metrics of step {step}", lambda: self._write_metrics(items, ts, step))
 
     def _write_metrics(self, items: list[Any], ts: int, step: int) -> None:

@@ -141,6 +141,9 @@ def check_tracked_run(res: dict, initial_model: Path, mode: str) -> None:
     rollouts = [json.loads(x) for x in (final.parent / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts and {r["step"] for r in rollouts} <= set(range(1, res["steps"] + 1))
     assert all(r["prompt"] and isinstance(r["reward"], float) and r["versions"] for r in rollouts)
+    metrics = [json.loads(x) for x in (final.parent / "metrics.jsonl").read_text().splitlines()]
+    assert set(range(1, res["steps"] + 1)) <= {m["step"] for m in metrics if "reward/mean" in m}
+    assert any("val/reward" in m for m in metrics) and any("run/wall_s" in m for m in metrics)
     assert (final / "config.json").exists() and (final / "tokenizer.json").exists()
     w0, w1 = load_file(initial_model / "model.safetensors"), load_file(final / "model.safetensors")
     assert set(w0) == set(w1)
