@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.errors import user_error
 from app.infra.watchdog import Watchdog, summarize
 from app.records import PipelineSnapshot, Prompt
 from app.trainer import checkpoint, resume_check
@@ -169,8 +170,13 @@ def test_no_complete_checkpoint_names_every_damaged_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         checkpoint.select(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no checkpoint in it"):
+    with pytest.raises(checkpoint.ResumeError, match="no checkpoint in it"):
         checkpoint.select(tmp_path / "empty")
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")  # a run's final/: an HF model folder
+    with pytest.raises(checkpoint.ResumeError, match=f"a model folder.*model.path={tmp_path / 'final'}"):
+        checkpoint.select(tmp_path / "final")
+    assert user_error(checkpoint.ResumeError("x")) is not None  # one line at the command line
 
 
 def test_a_checkpoint_without_pipeline_is_never_loaded(tmp_path):

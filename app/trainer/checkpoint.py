@@ -54,6 +54,10 @@ class CheckpointError(UserError, RuntimeError):
     """No checkpoint that `--resume` (or a restart) can continue from; the message names the damaged files."""
 
 
+class ResumeError(UserError, FileNotFoundError):
+    """`--resume` names no run and no checkpoint; the message says what it does name and what to give."""
+
+
 @dataclass(frozen=True)
 class Damage:
     """One reason a checkpoint is incomplete: `file` (relative to it) is missing, of another size than its
@@ -282,7 +286,9 @@ def select(path: str | Path, checksums: bool = True) -> Selection:
     CheckpointError (naming every damaged file) where none is complete."""
     p = Path(path).expanduser().resolve()
     if not p.exists():
-        raise FileNotFoundError(f"--resume {path}: no such file or directory")
+        raise ResumeError(
+            f"--resume {path}: no such file or directory; give a run's folder (run_dir/<run name>)"
+        )
     if _is_checkpoint(p):
         mine = _order(p)
         siblings = [c for c in p.parent.iterdir() if c != p and _is_checkpoint(c) and _order(c) <= mine]
@@ -290,7 +296,13 @@ def select(path: str | Path, checksums: bool = True) -> Selection:
     else:
         candidates = checkpoints(p)
     if not candidates:
-        raise FileNotFoundError(
+        if (p / "config.json").is_file():  # an HF model folder, e.g. a run's final/
+            raise ResumeError(
+                f"--resume {path}: a model folder, not a checkpoint (--resume continues a run: its optimizer, "
+                f"data position and rollout queue); to start a new run from these weights give "
+                f"model.path={path}"
+            )
+        raise ResumeError(
             f"--resume {path}: no checkpoint in it (no {MANIFEST} or {STATE} below it); give a run directory "
             "or one of its checkpoints (they are saved every train.save_every steps and when a run stops)"
         )
