@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -292,6 +293,20 @@ def test_serve_generate_retries_dead_replicas_until_its_deadline():
         assert "failed for 1s" in str(e) and 0.5 < time.monotonic() - t0 < 3, e
     else:
         raise AssertionError("retried past its deadline")
+
+
+def test_retries_are_logged_once_with_a_count(caplog):
+    """An engine's death fails every request in flight: one warning for the outage, not one per request."""
+    from app.rollout.serve_generate import RETRY_LOG_EVERY_S, RetryLog
+
+    retries = RetryLog()
+    with caplog.at_level(logging.WARNING, logger="app.rollout.serve_generate"):
+        for i in range(300):
+            retries.retried(100.0 + i * 0.01, EngineDeadError(), 0.5)
+        retries.retried(100.0 + RETRY_LOG_EVERY_S + 3.0, EngineDeadError(), 0.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(r.exc_info is None for r in caplog.records), lines
+    assert lines[0].startswith("1 request(s) failed") and lines[1].startswith("300 request(s) failed"), lines
 
 
 def test_no_progress_bar_when_tqdm_is_disabled(monkeypatch):

@@ -47,6 +47,32 @@ def retryable(exc: BaseException) -> bool:
     return False
 
 
+RETRY_LOG_EVERY_S = 30.0
+
+
+class RetryLog:
+    """One warning for the first retry of an outage, then at most one every RETRY_LOG_EVERY_S with the count
+    since (an engine's death fails every request in flight at once: one line each would flood the log)."""
+
+    def __init__(self) -> None:
+        self.last, self.since = -float("inf"), 0
+
+    def retried(self, now: float, error: BaseException, pause: float) -> None:
+        self.since += 1
+        if now - self.last < RETRY_LOG_EVERY_S:
+            return
+        log.warning(
+            "%d request(s) failed on a replica (last: %s); retrying on live ones (first in %.1fs)",
+            self.since,
+            type(error).__name__,
+            pause,
+        )
+        self.last, self.since = now, 0
+
+
+_RETRIES = RetryLog()  # one per process: the rollouter's generators share it
+
+
 class ServeGenerate:
     """One request to the Serve deployment's `generate`, retried on live replicas until `deadline_s`."""
 
@@ -74,10 +100,6 @@ class ServeGenerate:
                         f"replicas dead or unavailable): {e}"
                     ) from e
                 self.stats["rollout/replica_retries"] += 1
-                log.warning(
-                    "a replica failed a request (%s); retrying on a live one in %.1fs",
-                    type(e).__name__,
-                    pause,
-                )
+                _RETRIES.retried(loop.time(), e, pause)
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 5.0)
