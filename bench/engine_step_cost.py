@@ -2,7 +2,7 @@
 
     python bench/engine_step_cost.py                                           # the embedded model, CPU
     python bench/engine_step_cost.py --gpu --shape 1.5B --max-num-seqs 512 \\
-        --points 512x256,256x256,128x512,32x1024,8x1024,1x1024                # session 27's H100 figures
+        --points 512x256,256x256,128x512,32x1024,8x1024,1x1024    # docs/benchmarks.md's H100 figures
 
 The engine is Relay's (`app.vllm.engine.create_engine`: the worker extension, log-probs after temperature,
 CUDA graphs with `--gpu`), driven directly, without Serve (bench/rollout_overhead.py measures what Serve
@@ -62,7 +62,7 @@ VARIANTS = {  # name: (seeded, logprobs, temperature, flat log-probs)
 
 def pareto_lengths(spec: str, seed: int = 0) -> list[int]:
     """`128x8:1.2:64:1024` -> 1,024 response lengths: 128 groups of 8 samples sharing one length each,
-    min(MAX, int(MIN x Pareto(ALPHA))), seeded (session 27's draw of the loop bench's shape)."""
+    min(MAX, int(MIN x Pareto(ALPHA))), seeded (the draw of docs/benchmarks.md's loop-shaped batch)."""
     import random
 
     try:

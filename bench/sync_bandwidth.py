@@ -113,7 +113,7 @@ def variant(name: str, dev: torch.device):
 
 
 def profile_table(prof: Any, rows: int = 14) -> str:
-    """The top ops by device time, then by the host's own time (what a host-bound end spends per bucket)."""
+    """The top ops by CUDA time, then by the host's own time (what a host-bound end spends per bucket)."""
     tables = []
     for keys in (("device_time_total", "cuda_time_total"), ("self_cpu_time_total",)):
         for key in keys:

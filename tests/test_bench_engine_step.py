@@ -18,7 +18,7 @@ def test_parse_points():
 
 
 def test_per_seq_ms_fits_the_points_of_large_batches_only():
-    # session 27's H100 figures at 1.5B (ms per step): 512 -> 23.2, 256 -> 13.1, 128 -> 8.4; batch 8 at 3.1
+    # docs/benchmarks.md's H100 figures, 1.5B, ms a step: 512 -> 23.2, 256 -> 13.1, 128 -> 8.4; batch 8 at 3.1
     # lies off the line and is left out. Slope of the least-squares line through the three:
     # mean k = 298.67, mean ms = 14.9; sum (k-mk)(m-mm) = 213.33*8.3 + (-42.67)*(-1.8) + (-170.67)*(-6.5)
     # = 1770.67 + 76.8 + 1109.33 = 2956.8; sum (k-mk)^2 = 45511.1 + 1820.4 + 29127.1 = 76458.7 -> 0.03867
