@@ -14,9 +14,10 @@ import os
 import sys
 from typing import Any
 
-from app.config import REFERENCE_PATH, ConfigError, load_config, reference_markdown
+from app.config import REFERENCE_PATH, ConfigError, reference_markdown
 from app.errors import user_error
 from app.infra.log_filters import configure_logging, quiet_ray_noise
+from app.preflight import load_config
 
 log = logging.getLogger("app")
 
@@ -25,7 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m app", description="Relay: async RL of LLMs on Ray")
     sub = p.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="run training (the embedded default with no arguments)")
-    tr.add_argument("--config", help="a YAML file or a preset name from configs/")
+    tr.add_argument(
+        "--config",
+        action="append",
+        help="a YAML file or a preset name from configs/; several merge left to right "
+        "(--config gsm8k --config lora)",
+    )
     tr.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     tr.add_argument(
         "--resume",
@@ -51,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", metavar="FILE", help="the prompt file (eval.data; none: data.val)")
     ev.add_argument(
         "--config",
-        help="a YAML file or a preset name (default: the settings of the run that wrote the weights)",
+        action="append",
+        help="a YAML file or a preset name, several merge left to right (default: the settings of the run "
+        "that wrote the weights)",
     )
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n=8 eval.k=[1,8]")
     ref = sub.add_parser(
@@ -116,16 +124,25 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(OmegaConf.to_yaml(cfg))
         return 0
     _quiet_progress_bars()
-    from app.driver import run
+    from app.driver import launch, prepare
 
     try:
-        result = run(cfg, resume_with_new_data=args.resume_with_new_data)
+        prepared = prepare(cfg, resume_with_new_data=args.resume_with_new_data)
+    except Exception as e:  # an input error, found before anything started: the user's to fix (exit 2)
+        return _failed(e, 2 if user_error(e) is not None else 1)
+    try:
+        result = launch(cfg, prepared)
     except Exception as e:
-        _report_failure(e)
-        _emit_result({"ok": False, "error": str(user_error(e) or e)[:2000]})
-        return 1
+        return _failed(e, 1)
     _emit_result({"ok": True, **result})
     return 0
+
+
+def _failed(e: Exception, code: int) -> int:
+    """Report `e` (`_report_failure`), print its RESULT line; `code`."""
+    _report_failure(e)
+    _emit_result({"ok": False, "error": str(user_error(e) or e)[:2000]})
+    return code
 
 
 def _report_failure(e: Exception) -> None:

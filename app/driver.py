@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from app import preflight
 from app import tasks as builtin_tasks
 from app.config import ConfigError, data_files, flatten, to_container
 from app.envs import env_kind
@@ -142,14 +143,26 @@ def start_ray(cfg: DictConfig) -> bool:
     return True
 
 
-def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
-    """One training run. Returns the RESULT record; raises if the run failed. With `train.resume`, the
-    checkpoint is verified and compared with this run's model and data before Ray starts
-    (`resume_with_new_data`: a change of data.train is allowed, the checkpoint's queue dropped)."""
-    from app.serve_rollout import app_name
+@dataclass
+class Prepared:
+    """What `prepare` checked and resolved before anything starts: the inputs, the run's identity (model,
+    data, config) and the checkpoint a resume continues from."""
+
+    inputs: Inputs
+    identity: dict[str, Any]
+    resume: str | None
+    t0: float
+
+
+def prepare(cfg: DictConfig, resume_with_new_data: bool = False) -> Prepared:
+    """Every check of a run that needs no cluster: the roles' view of the config, the machine, the checkpoint
+    of a resume (verified, and compared with this run's model and data: `resume_with_new_data` allows a
+    change of data.train), the data files, the model and the user's rewards on the first row. Raises the
+    user error that names the fix (the command line exits 2)."""
     from app.trainer import checkpoint, resume_check
 
     t0 = time.time()
+    preflight.check(cfg)  # what only the roles know (registries, rewards, built-ins), before anything starts
     check_machine(cfg)
     picked = checkpoint.select(cfg.train.resume) if cfg.train.resume else None  # fails early, clearly
     inputs = resolve_inputs(cfg)
@@ -162,15 +175,28 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
     if picked is not None:
         picked.warn()  # a damaged newer checkpoint skipped, or one written before manifests
         resume_check.check(picked.path, identity, resume_with_new_data)
-    resume = str(picked.path) if picked is not None else None
-    rec = _open_run(cfg, resume)
-    (rec.dir / resume_check.IDENTITY).write_text(json.dumps(identity))  # each checkpoint keeps a copy
+    return Prepared(inputs, identity, str(picked.path) if picked is not None else None, t0)
+
+
+def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
+    """One training run: `prepare`, then `launch`. Returns the RESULT record; raises if the run failed."""
+    return launch(cfg, prepare(cfg, resume_with_new_data))
+
+
+def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
+    """The run itself: its folder and MLflow run, Ray, the roles, the loop. Returns the RESULT record."""
+    from app.serve_rollout import app_name
+    from app.trainer import resume_check
+
+    inputs, resume, t0 = prepared.inputs, prepared.resume, prepared.t0
+    rec = open_run(cfg, resume)
+    (rec.dir / resume_check.IDENTITY).write_text(json.dumps(prepared.identity))  # each checkpoint keeps one
     started = start_ray(cfg)
     status = "FAILED"
     try:
         # the actor handles live as long as this frame: a named actor whose last handle is dropped is killed
         watch = RolloutStartWatch(app_name(cfg.ray.name))
-        cfg, hub, control, _rollouter = _start_roles(cfg, inputs, watch)
+        cfg, hub, control, _rollouter = start_roles(cfg, inputs, watch)
         trainer = _build_trainer(cfg, inputs, rec, resume)
         result = _fit(trainer, hub, control, rec, t0, watch)
         out = _collect(result, rec, t0)
@@ -200,7 +226,7 @@ class _Run:
                 self.lock.release()
 
 
-def _open_run(cfg: DictConfig, resume: str | None) -> _Run:
+def open_run(cfg: DictConfig, resume: str | None) -> _Run:
     """The run folder under `run_dir` (durable: app/infra/storage.py) with its config, and its MLflow run."""
     from app.infra.run_lock import RunLock, new_run_name
     from app.infra.storage import resolve_run_dir
@@ -263,7 +289,7 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def _start_roles(
+def start_roles(
     cfg: DictConfig, inputs: Inputs, watch: RolloutStartWatch
 ) -> tuple[DictConfig, Any, Any, Any]:
     """The weight hub, the run control, the rollout deployment and the rollouter (both starting): the config

@@ -104,7 +104,7 @@ def run_shape(
     from ray.train.torch import TorchTrainer
 
     from app.config import load_config, to_container
-    from app.driver import RolloutStartWatch, _start_roles, resolve_inputs, teardown
+    from app.driver import RolloutStartWatch, resolve_inputs, start_roles, teardown
     from app.serve_rollout import app_name
     from bench.qwen_shapes import build_model_dir
 
@@ -125,7 +125,7 @@ def run_shape(
     inputs = resolve_inputs(cfg)
     out = out_dir / f"{name}.json"
     try:
-        cfg, _hub, _control, _rollouter = _start_roles(cfg, inputs, RolloutStartWatch(app_name(name)))
+        cfg, _hub, _control, _rollouter = start_roles(cfg, inputs, RolloutStartWatch(app_name(name)))
         TorchTrainer(
             push_loop,
             train_loop_config={

@@ -1,5 +1,7 @@
 import dataclasses
+import logging
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -11,11 +13,12 @@ from app.config import (
     TrainConfig,
     constraint,
     describe,
-    load_config,
     reference_markdown,
     to_container,
     typed,
 )
+from app.__main__ import main
+from app.preflight import load_config
 
 
 def test_defaults_validate():
@@ -91,7 +94,7 @@ def test_every_key_documented():
     leaves = {k for k in ALL_KEYS if not any(o.startswith(k + ".") for o in ALL_KEYS)}
     assert keys == leaves
     undocumented = [k for k, _, doc in describe() if not doc]
-    assert not undocumented, f"document these keys in app/config.py: {undocumented}"
+    assert not undocumented, f"document these keys in app/config/: {undocumented}"
 
 
 def test_docs_config_reference_is_up_to_date():
@@ -621,3 +624,28 @@ def test_a_real_model_may_run_colocated_on_every_gpu():
         "gsm8k", ["resources.colocate=true", "resources.rollout_gpus=0", "resources.train_gpus=0"]
     )
     assert cfg.resources.colocate
+
+
+def test_several_presets_merge_left_to_right_and_say_what_they_take_over(caplog):
+    """`--config gsm8k --config lora`: LoRA on gsm8k's model and data, never silently only the last preset."""
+    caplog.set_level(logging.INFO, logger="app.config.load")
+    gsm8k, lora = load_config("gsm8k"), load_config("lora")
+    both = load_config(["gsm8k", "lora"], ["train.steps=7"])
+    assert both.model.path == gsm8k.model.path != lora.model.path
+    assert both.data.train == gsm8k.data.train and both.reward.fn == gsm8k.reward.fn
+    assert both.model.lora_rank == lora.model.lora_rank > 0 and both.train.lr == lora.train.lr
+    assert both.train.steps == 7  # key=value still last
+    (line,) = [r.getMessage() for r in caplog.records if "--config lora" in r.getMessage()]
+    assert "train.lr" in line and line.endswith("over gsm8k")
+    assert main(["train", "--config", "gsm8k", "--config", "lora", "--print-config"]) == 0
+
+
+def test_the_build_cache_is_the_same_folder_from_any_working_directory(monkeypatch, tmp_path):
+    from app.tasks import cache_root
+
+    monkeypatch.delenv("RELAY_CACHE", raising=False)
+    assert load_config().model.cache_dir == ""
+    assert cache_root("") == Path("~/.cache/relay").expanduser()
+    monkeypatch.setenv("RELAY_CACHE", str(tmp_path))
+    assert cache_root("") == tmp_path
+    assert cache_root("~/elsewhere") == Path.home() / "elsewhere"  # model.cache_dir wins

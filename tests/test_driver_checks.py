@@ -5,6 +5,7 @@ reason, not only Serve's "Failed to update the deployments"."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -43,3 +44,34 @@ def test_a_failed_deployment_reports_the_replicas_reason():
     assert "ValidationError" in why
     bare = SimpleNamespace(message="Failed to update the deployments ['rollout'].", deployments={})
     assert failure_reason(bare) == bare.message
+
+
+def _result(capsys) -> tuple[dict, str]:
+    out, err = capsys.readouterr()
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[len("RESULT ") :]), err
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--resume", "{tmp}/nope"], "no such file or directory; give a run's folder"),
+        (["--resume", "{tmp}/final"], "a model folder, not a checkpoint.*model.path={tmp}/final"),
+        (["data.train={tmp}/missing.jsonl"], "missing.jsonl"),
+        (["data.train={tmp}/bad.jsonl"], "bad.jsonl"),
+    ],
+)
+def test_input_errors_before_anything_starts_are_one_line_and_exit_2(args, says, tmp_path, capsys):
+    """A resume of something that is not a run, a missing data file, a malformed row: each is one line
+    naming the fix and exit code 2 (as a config error), with no traceback, before Ray or the model."""
+    from app.__main__ import main
+
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")  # a run's final/: an HF model folder
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n{"question": "no prompt"}\n')
+    argv = ["train", *(a.replace("{tmp}", str(tmp_path)) for a in args), f"run_dir={tmp_path / 'runs'}"]
+    assert main(argv) == 2
+    res, err = _result(capsys)
+    assert res["ok"] is False and re.search(says.replace("{tmp}", str(tmp_path)), res["error"]), res
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # no run folder, no MLflow run

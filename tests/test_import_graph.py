@@ -102,3 +102,43 @@ def test_app_modules_import_in_no_circle() -> None:
     assert len(edges) > 50 and "app.sync" in edges  # the graph covers the package
     found = cycles(edges)
     assert not found, f"modules of app/ import each other in a circle (function-local imports count): {found}"
+
+
+# the ground floor: what app/config/ may import of app/ (app/errors.py imports nothing of app/ itself)
+GROUND_FLOOR = ("app.config", "app.infra", "app.errors")
+
+
+def _below(name: str, floors: tuple[str, ...]) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in floors)
+
+
+def test_the_config_package_imports_no_role() -> None:
+    """app/config/ imports nothing of app/ but app/config, app/infra and app/errors.py: top-level,
+    function-local and `if TYPE_CHECKING:` imports alike. The checks that need a role are app/preflight.py's."""
+    mods = _modules()
+    found = {}
+    for name, path in mods.items():
+        if not _below(name, ("app.config",)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                bad = {t for t in _targets(name, node, mods) if not _below(t, GROUND_FLOOR)}
+                if bad:
+                    found.setdefault(name, set()).update(bad)
+    assert len([m for m in mods if _below(m, ("app.config",))]) > 10  # the package is there, split by role
+    assert not found, f"app/config/ must import no role (move the check to app/preflight.py): {found}"
+    assert not import_graph()["app.errors"], "app/errors.py is below app/config: it imports nothing of app/"
+
+
+def test_config_plugins_and_envs_import_without_torch_ray_or_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import app.config, app.plugins, app.envs; import sys; "
+        "heavy = {'torch', 'ray', 'vllm'} & set(sys.modules); assert not heavy, heavy"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=APP.parent
+    )
+    assert p.returncode == 0, p.stderr

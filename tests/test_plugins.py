@@ -8,8 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.config import ConfigError, load_config
+from app.config import ConfigError
 from app.plugins import PluginError, resolve
+from app.preflight import load_config
 from tests import plugins_example as ext
 
 M = "tests.plugins_example"

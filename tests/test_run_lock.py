@@ -77,14 +77,14 @@ def test_file_lock_waits_with_a_deadline(tmp_path):
 
 def test_driver_refuses_a_second_run_with_the_same_name_and_an_unreachable_uri(tmp_path):
     from app.config import load_config
-    from app.driver import _open_run
+    from app.driver import open_run
     from app.infra.tracking import TrackingError
 
     cfg = load_config(None, [f"run_dir={tmp_path}", "tracking.run_name=same"])
-    rec = _open_run(cfg, None)
+    rec = open_run(cfg, None)
     try:
         with pytest.raises(RunInUseError, match=f"run folder {tmp_path / 'same'} is in use"):
-            _open_run(cfg, None)
+            open_run(cfg, None)
     finally:
         rec.close("FINISHED")
     with socket.socket() as s:
@@ -95,6 +95,6 @@ def test_driver_refuses_a_second_run_with_the_same_name_and_an_unreachable_uri(t
     )
     t0 = time.monotonic()
     with pytest.raises(TrackingError, match=f"tracking.uri=http://127.0.0.1:{port}"):
-        _open_run(bad, None)
+        open_run(bad, None)
     assert time.monotonic() - t0 < 5
     RunLock.acquire(tmp_path / "same").release()  # the refused start freed the folder

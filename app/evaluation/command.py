@@ -25,10 +25,11 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from app.config import ALL_KEYS, ConfigError, load_config
+from app.config import ALL_KEYS, ConfigError, ConfigFiles
 from app.evaluation import checkpoints
 from app.evaluation.checkpoints import Weights
 from app.evaluation.scores import ALL, PromptRewards, metric_items, per_prompt, score, sub_score_means
+from app.preflight import load_config
 from app.records import Group
 
 log = logging.getLogger("app.eval")
@@ -46,7 +47,7 @@ NOT_INHERITED = (
 )
 
 
-def load(config_file: str | None, overrides: list[str]) -> DictConfig:
+def load(config_file: ConfigFiles, overrides: list[str]) -> DictConfig:
     """The evaluation's config: defaults < `config_file` (else, for a Relay run's weights, that run's config)
     < `overrides`. Raises ConfigError naming the key and the fix."""
     cfg = load_config(config_file, overrides)
@@ -88,14 +89,14 @@ def _inherited(saved: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One evaluation (see the module docstring); returns the RESULT record, raises where it failed."""
-    from app.driver import Inputs, _open_run, check_machine, resolve_inputs, start_ray, teardown
+    from app.driver import Inputs, open_run, check_machine, resolve_inputs, start_ray, teardown
 
     t0 = time.time()
     check_machine(cfg)
     weights = checkpoints.locate(cfg.eval.checkpoint) if cfg.eval.checkpoint else None
     cfg = _settings(cfg, weights)
     inputs = resolve_inputs(cfg)  # the model (built-in ones built), the prompt file checked: before Ray
-    rec = _open_run(cfg, None)
+    rec = open_run(cfg, None)
     status = "FAILED"
     started = False
     try:
@@ -146,11 +147,11 @@ def _generate(cfg: DictConfig, inputs: Any) -> list[Group]:
     """`eval.n` scored samples of every prompt, on the rollout deployment training uses."""
     import ray
 
-    from app.driver import RolloutStartWatch, _start_roles
+    from app.driver import RolloutStartWatch, start_roles
     from app.serve_rollout import app_name
 
     watch = RolloutStartWatch(app_name(cfg.ray.name))
-    roles = _start_roles(cfg, inputs, watch)  # (the handles must live while the actors work)
+    roles = start_roles(cfg, inputs, watch)  # (the handles must live while the actors work)
     cfg, rollouter = roles[0], roles[3]
     watch.wait(cfg.rollout.join_timeout_s)
     log.info("generating %d samples per prompt of %s", cfg.eval.n, inputs.val)

@@ -17,6 +17,7 @@ names (`task_folder`, `model_folder`). Importing this package imports no task mo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,14 +125,19 @@ def task_problems(model_path: str, env_name: str, specs: list[str]) -> list[tupl
     return out
 
 
+def cache_root(cache_dir: str = "") -> Path:
+    """`model.cache_dir` as a folder: itself (`~` expanded), else `$RELAY_CACHE`, else `~/.cache/relay`."""
+    return Path(cache_dir or os.environ.get("RELAY_CACHE") or "~/.cache/relay").expanduser()
+
+
 def task_folder(name: str, cache_dir: str, seed: int) -> Path:
     """The folder of built-in task `name` (train.jsonl, val.jsonl), built on first use."""
-    return Path(_resolve(TASKS[name].build)(cache_dir, seed=seed))
+    return Path(_resolve(TASKS[name].build)(cache_root(cache_dir), seed=seed))
 
 
 def model_folder(name: str, cache_dir: str, seed: int) -> Path:
     """The HF model folder of built-in model `name`, built on first use."""
-    return Path(_resolve(MODELS[name].build)(cache_dir, seed=seed)) / "model"
+    return Path(_resolve(MODELS[name].build)(cache_root(cache_dir), seed=seed)) / "model"
 
 
 def _resolve(spec: str) -> Any:

@@ -60,7 +60,7 @@ def report(layout, cache_dir, tmp_path_factory) -> dict:
     from ray.train.torch import TorchTrainer
 
     from app.config import load_config, to_container
-    from app.driver import RolloutStartWatch, _start_roles, resolve_inputs, teardown
+    from app.driver import RolloutStartWatch, resolve_inputs, start_roles, teardown
     from app.serve_rollout import app_name
     from tests.integration.loops import colocated_loop
 
@@ -82,7 +82,7 @@ def report(layout, cache_dir, tmp_path_factory) -> dict:
     out = tmp / "colocated.json"
     try:
         # plans the colocated shares (2 replicas at 0.55, 2 workers at 0.4) and starts the replicas first
-        cfg, _hub, _control, _rollouter = _start_roles(cfg, inputs, RolloutStartWatch(app_name("gc")))
+        cfg, _hub, _control, _rollouter = start_roles(cfg, inputs, RolloutStartWatch(app_name("gc")))
         TorchTrainer(
             colocated_loop,
             train_loop_config={"cfg": to_container(cfg), "model_path": inputs.model_path, "out": str(out)},

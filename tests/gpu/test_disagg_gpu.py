@@ -41,7 +41,7 @@ def report(request, tmp_path_factory) -> dict:
     from ray.train.torch import TorchTrainer
 
     from app.config import load_config, to_container
-    from app.driver import RolloutStartWatch, _start_roles, resolve_inputs, teardown
+    from app.driver import RolloutStartWatch, resolve_inputs, start_roles, teardown
     from app.serve_rollout import app_name
     from tests.integration.loops import disagg_loop
 
@@ -63,7 +63,7 @@ def report(request, tmp_path_factory) -> dict:
     ray.init(address="local", num_cpus=16, num_gpus=2, runtime_env={"env_vars": env}, log_to_driver=True)
     out = tmp / "disagg.json"
     try:
-        cfg, _hub, _control, _rollouter = _start_roles(cfg, inputs, RolloutStartWatch(app_name("g2")))
+        cfg, _hub, _control, _rollouter = start_roles(cfg, inputs, RolloutStartWatch(app_name("g2")))
         TorchTrainer(
             disagg_loop,
             train_loop_config={

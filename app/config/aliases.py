@@ -1,0 +1,93 @@
+"""Other systems' names for Relay's keys: TRL's `GRPOConfig` arguments and verl's most used Hydra keys.
+
+A `key=value` override under one of these names is taken as the Relay key, with one warning naming it
+(`learning_rate=1e-6` -> `train.lr=1e-6`). Only names whose meaning is the same are aliases; `FOREIGN_HINTS`
+holds names whose meaning differs, which are refused with the Relay way of saying the same. The README's
+migration table lists both ("Coming from TRL or verl"); a unit test keeps it equal to these tables.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+# foreign name -> (Relay key, whose name it is)
+ALIASES: dict[str, tuple[str, str]] = {
+    # TRL GRPOConfig
+    "learning_rate": ("train.lr", "TRL"),
+    "num_generations": ("rollout.n", "TRL"),
+    "max_completion_length": ("rollout.max_tokens", "TRL"),
+    "max_prompt_length": ("data.max_prompt_tokens", "TRL"),
+    "beta": ("algorithm.kl_coef", "TRL"),
+    "epsilon": ("algorithm.clip_low", "TRL"),
+    "epsilon_high": ("algorithm.clip_high", "TRL"),
+    "temperature": ("rollout.temperature", "TRL"),
+    "top_p": ("rollout.top_p", "TRL"),
+    "top_k": ("rollout.top_k", "TRL"),
+    "max_steps": ("train.steps", "TRL"),
+    "num_train_epochs": ("data.epochs", "TRL"),
+    "save_steps": ("train.save_every", "TRL"),
+    "eval_steps": ("algorithm.val_every", "TRL"),
+    "max_grad_norm": ("train.grad_clip", "TRL"),
+    "weight_decay": ("train.weight_decay", "TRL"),
+    "warmup_steps": ("train.warmup_steps", "TRL"),
+    "num_iterations": ("algorithm.ppo_epochs", "TRL"),
+    "run_name": ("tracking.run_name", "TRL"),
+    # verl (Hydra keys)
+    "data.train_files": ("data.train", "verl"),
+    "data.val_files": ("data.val", "verl"),
+    "data.train_batch_size": ("train.batch_groups", "verl"),
+    "data.max_prompt_length": ("data.max_prompt_tokens", "verl"),
+    "data.max_response_length": ("rollout.max_tokens", "verl"),
+    "actor_rollout_ref.model.path": ("model.path", "verl"),
+    "actor_rollout_ref.actor.optim.lr": ("train.lr", "verl"),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": ("algorithm.ppo_mini_batch_size", "verl"),
+    "actor_rollout_ref.actor.ppo_epochs": ("algorithm.ppo_epochs", "verl"),
+    "actor_rollout_ref.actor.kl_loss_coef": ("algorithm.kl_coef", "verl"),
+    "actor_rollout_ref.actor.entropy_coeff": ("algorithm.entropy_coef", "verl"),
+    "actor_rollout_ref.actor.clip_ratio_low": ("algorithm.clip_low", "verl"),
+    "actor_rollout_ref.actor.clip_ratio_high": ("algorithm.clip_high", "verl"),
+    "actor_rollout_ref.actor.clip_ratio_c": ("algorithm.clip_ratio_c", "verl"),
+    "actor_rollout_ref.actor.grad_clip": ("train.grad_clip", "verl"),
+    "actor_rollout_ref.rollout.n": ("rollout.n", "verl"),
+    "actor_rollout_ref.rollout.temperature": ("rollout.temperature", "verl"),
+    "actor_rollout_ref.rollout.top_p": ("rollout.top_p", "verl"),
+    "actor_rollout_ref.rollout.top_k": ("rollout.top_k", "verl"),
+    "trainer.total_training_steps": ("train.steps", "verl"),
+    "trainer.total_epochs": ("data.epochs", "verl"),
+    "trainer.save_freq": ("train.save_every", "verl"),
+    "trainer.test_freq": ("algorithm.val_every", "verl"),
+    "trainer.project_name": ("tracking.experiment", "verl"),
+    "trainer.experiment_name": ("tracking.run_name", "verl"),
+    "custom_reward_function.path": ("reward.fn", "verl"),
+}
+
+# foreign names that mean something else here: refused with what to set instead
+FOREIGN_HINTS: dict[str, str] = {
+    "per_device_train_batch_size": (
+        "TRL's per-device batch counts completions; Relay's step is train.batch_groups prompts x rollout.n "
+        "samples, split into micro-batches by train.micro_batch_tokens"
+    ),
+    "gradient_accumulation_steps": (
+        "Relay accumulates over the micro-batches of a step by itself: set train.batch_groups (prompts a "
+        "step) and train.micro_batch_tokens"
+    ),
+    "loss_type": "set algorithm.loss_agg: token_mean (TRL's dapo/bnpo) or seq_mean (TRL's grpo)",
+    "actor_rollout_ref.actor.loss_agg_mode": "set algorithm.loss_agg: token_mean or seq_mean",
+    "use_vllm": "Relay always generates with vLLM (rollout.* keys; Serve replicas)",
+    "report_to": "Relay tracks in MLflow (tracking.uri) and writes metrics.jsonl in the run folder",
+    "custom_reward_function.name": "give the function with the file: reward.fn=path/to/reward.py:NAME",
+    "algorithm.adv_estimator": "Relay's advantage is GRPO's (group-normalised); see algorithm.* keys",
+    "actor_rollout_ref.rollout.name": "Relay always generates with vLLM",
+}
+
+
+def translate(key: str, value: str) -> str:
+    """The Relay key for `key`: itself, or the key it is an alias of (with one warning naming both)."""
+    found = ALIASES.get(key)
+    if found is None:
+        return key
+    relay_key, whose = found
+    log.warning("%s is %s's name for %s: taken as %s=%s", key, whose, relay_key, relay_key, value)
+    return relay_key
