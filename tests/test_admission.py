@@ -11,10 +11,11 @@ from collections import Counter
 
 import pytest
 
+from app.config import AlgorithmConfig, RewardConfig, RolloutConfig
 from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
 from app.rewards.styles import RewardInput
-from app.rollout import AsyncProducer, GenSettings, GroupGenerator, ProducerSettings, PromptStream
+from app.rollout import AsyncProducer, GroupGenerator, PromptStream
 from app.rollout.admission import (
     admission_limit,
     can_admit,
@@ -23,7 +24,7 @@ from app.rollout.admission import (
     over_bound,
     staleness_bound,
 )
-from app.trainer.learner import staleness_by_length_decile
+from app.trainer.batch_metrics import staleness_by_length_decile
 
 
 def test_admission_limit_hand_values():
@@ -125,19 +126,19 @@ async def _stream(
     async def score(inp: RewardInput) -> RewardResult:
         return RewardResult(score=float(inp.response.endswith("5")) if inp.answer == "parity" else 1.0)
 
-    gen_settings = GenSettings(
-        n=n, max_tokens=4, group_requests=False
-    )  # the fake answers one sample a request
-    gen = GroupGenerator(generate, lambda ids: " ".join(map(str, ids)), score, gen_settings)
-    settings = ProducerSettings(
-        max_staleness=eta,
+    rollout = RolloutConfig(n=n, max_tokens=4, group_requests=False)  # the fake answers one sample a request
+    gen = GroupGenerator(
+        generate, lambda ids: " ".join(map(str, ids)), score, rollout, reward=RewardConfig(), seed=seed
+    )
+    algorithm = AlgorithmConfig(max_staleness=eta, over_bound=over_bound, filter_groups=filter_groups)
+    producer = AsyncProducer(
+        stream,
+        lambda p, s: gen.group(p, seed=s),
+        algorithm,
         batch_groups=B,
         max_inflight=max_inflight,
-        over_bound=over_bound,
         seed=seed,
-        filter_groups=filter_groups,
     )
-    producer = AsyncProducer(stream, lambda p, s: gen.group(p, seed=s), settings)
     await producer.start()
     trained: list[tuple[str, int]] = []
     version, worst = 0, 0
@@ -245,7 +246,9 @@ def test_admission_random_orders_bound_and_exactly_once(block):
 
 
 def test_stragglers_are_regenerated_not_lost():
-    """A heavy tail with eta = 1 does produce over-bound groups: they are regenerated, and still trained once."""
+    """A heavy tail with eta = 1 does produce over-bound groups: by default (`algorithm.over_bound`) they are
+    regenerated, and still trained once: no trained token is older than the bound."""
+    assert AlgorithmConfig().over_bound == "regenerate"
     rng = random.Random(1)
     trained, over, worst = asyncio.run(
         _stream(

@@ -12,14 +12,14 @@ from collections import Counter
 
 import pytest
 
-from app.config import ConfigError, load_config
+from app.config import ConfigError, EnvConfig, RewardConfig, RolloutConfig
 from app.envs.agent.openai_chat import ChatCore, ChatSettings, RequestError, render_chat
 from app.envs.agent.session import AgentEpisode, Inconsistent, SessionCall, assemble, resolve_agent
 from app.envs.base import EpisodeMaker
+from app.preflight import load_config
 from app.records import Prompt
 from app.rewards import RewardResult
-from app.rollout import GenSettings, GroupGenerator
-from app.rollout.episode import EpisodeLimits
+from app.rollout import GroupGenerator
 from tests.test_episodes import EOS, TOK, Model, dec, enc, tool_user
 
 PROMPT = Prompt(uid="p0", prompt_ids=enc("12*34="), answer="408", prompt_text="12*34=")
@@ -66,9 +66,18 @@ def test_assemble_refuses_an_inconsistent_session_keeping_its_consistent_part():
         assemble(PROMPT.prompt_ids, [call("99*34=", "1", 0)])
 
 
-def _core(policy=tool_user, **kw) -> tuple[ChatCore, Model]:
+def _core(policy=tool_user) -> tuple[ChatCore, Model]:
     model = Model(policy)
-    return ChatCore(TOK, model, ChatSettings(max_model_len=64, max_tokens=12, **kw)), model
+    settings = ChatSettings(
+        model_name="relay",
+        max_model_len=64,
+        max_tokens=12,
+        temperature=1.0,
+        top_p=1.0,
+        request_timeout_s=120.0,
+        session_ttl_s=3600.0,
+    )
+    return ChatCore(TOK, model, settings), model
 
 
 SESSION = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 12, "seed": 5, "max_calls": 3}
@@ -158,9 +167,9 @@ class Episodes(EpisodeMaker):
     def __init__(self, agent, core: ChatCore, timeout_s: float = 5.0) -> None:
         self.agent, self.core, self.timeout_s = agent, core, timeout_s
 
-    def make_episode(self, gen, lim):
+    def make_episode(self, turns, env, on_error):
         return AgentEpisode(
-            gen, self.agent, FrontendHandle(self.core), "http://relay.test/relay", lim, self.timeout_s
+            turns, self.agent, FrontendHandle(self.core), "http://relay.test/relay", env, on_error
         )
 
 
@@ -173,11 +182,15 @@ def _gen(episodes: Episodes, n: int = 2) -> GroupGenerator:
         None,  # every model call goes through the chat core's own GenerateFn
         dec,
         _unused_score,
-        GenSettings(n=n, max_tokens=12),
+        RolloutConfig(n=n, max_tokens=12),
+        reward=RewardConfig(on_error=-1.0),
+        seed=0,
         stats=Counter(),
         env=episodes,
         encode=enc,
-        limits=EpisodeLimits(max_turns=3, max_total_tokens=40, step_timeout_s=2.0, on_error=-1.0),
+        limits=EnvConfig(
+            max_turns=3, max_total_tokens=40, step_timeout_s=2.0, agent_timeout_s=episodes.timeout_s
+        ),
     )
 
 

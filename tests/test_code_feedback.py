@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.config import EnvConfig, RewardConfig, RolloutConfig
 from app.envs import ENVIRONMENTS, make_factory
 from app.envs.code_feedback import CodeFeedbackEnv, factory, observation
 from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
 from app.rewards.sandbox import SandboxError
-from app.rollout import GenSettings, GroupGenerator
-from app.rollout.episode import EpisodeLimits
+from app.rollout import GroupGenerator
 from app.tasks.code import make_code_problems
 from app.tasks.tiny import ASCII_CHARS, build_tokenizer, model_config
 
@@ -80,11 +80,13 @@ def _gen(model, env=CodeFeedbackEnv, turns: int = 3, timeout_s: float = 30.0, n:
         model,
         dec,
         _unused_score,
-        GenSettings(n=n, max_tokens=96),
+        RolloutConfig(n=n, max_tokens=96),
+        reward=RewardConfig(on_error=-1.0),
+        seed=0,
         stats=Counter(),
         env=env,
         encode=enc,
-        limits=EpisodeLimits(max_turns=turns, max_total_tokens=600, step_timeout_s=timeout_s, on_error=-1.0),
+        limits=EnvConfig(max_turns=turns, max_total_tokens=600, step_timeout_s=timeout_s),
     )
 
 

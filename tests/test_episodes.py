@@ -10,13 +10,14 @@ from collections import Counter
 
 import pytest
 
+from app.config import EnvConfig, RewardConfig, RolloutConfig
 from app.envs import ENVIRONMENTS, make_factory
 from app.envs.base import EnvStep
 from app.envs.calculator import CalculatorEnv
 from app.records import GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
-from app.rollout import Frozen, GenSettings, GroupGenerator
-from app.rollout.episode import EpisodeLimits, env_metrics
+from app.rollout import Frozen, GroupGenerator
+from app.rollout.episode import env_metrics
 from app.tasks.calc import CALC_CHARS, head_answer, make_calc_problems, warmup_example
 from app.tasks.tiny import build_tokenizer
 
@@ -66,16 +67,19 @@ async def _unused_score(*_a) -> RewardResult:
     raise AssertionError("an episode's reward comes from its environment")
 
 
-def _gen(model, factory=CalculatorEnv, limits=None, **kw) -> GroupGenerator:
+def _gen(model, factory=CalculatorEnv, limits: EnvConfig | None = None, **kw) -> GroupGenerator:
+    """Episodes bounded by `limits` (the `env` section), a failed one scoring -1; `kw`: `rollout.*`."""
     return GroupGenerator(
         model,
         dec,
         _unused_score,
-        GenSettings(n=2, max_tokens=8, **kw),
+        RolloutConfig(n=2, max_tokens=8, **kw),
+        reward=RewardConfig(on_error=-1.0),
+        seed=0,
         stats=Counter(),
         env=factory,
         encode=enc,
-        limits=limits or EpisodeLimits(max_turns=3, max_total_tokens=40, step_timeout_s=2.0, on_error=-1.0),
+        limits=limits or EnvConfig(max_turns=3, max_total_tokens=40, step_timeout_s=2.0),
     )
 
 
@@ -121,7 +125,7 @@ def test_direct_answer_and_limits():
     assert (s.turns, s.tool_calls, s.finish_reason, s.reward) == (3, 3, "length", 0.0)
     assert dec(s.token_ids) == "[1+1]>2|" * 3
     # the total token budget cuts the trajectory (an observation is cut to what is left)
-    lim = EpisodeLimits(max_turns=9, max_total_tokens=8, step_timeout_s=2.0)
+    lim = EnvConfig(max_turns=9, max_total_tokens=8, step_timeout_s=2.0)
     s = asyncio.run(_gen(Model(lambda t: "[1+1]"), limits=lim).group(PROMPT, seed=1)).samples[0]
     assert (
         s.text == "[1+1]>2"
@@ -129,7 +133,7 @@ def test_direct_answer_and_limits():
         and (s.turns, s.finish_reason) == (1, "length")
     )
     # a turn is also capped by what the budget leaves: 6 + 3 tokens, then a turn of one token
-    lim = EpisodeLimits(max_turns=9, max_total_tokens=10, step_timeout_s=2.0)
+    lim = EnvConfig(max_turns=9, max_total_tokens=10, step_timeout_s=2.0)
     s = asyncio.run(_gen(Model(lambda t: "[1+1]"), limits=lim).group(PROMPT, seed=1)).samples[0]
     assert s.text == "[1+1]>2|[" and s.loss_mask == [1] * 6 + [0] * 3 + [1] and s.turns == 2
 
@@ -147,7 +151,7 @@ class Hanging(CalculatorEnv):
 
 def test_failing_environments_score_on_error_and_are_counted():
     for factory, kind in ((Raising, "exception"), (Hanging, "timeout")):
-        lim = EpisodeLimits(max_turns=3, max_total_tokens=40, step_timeout_s=0.2, on_error=-1.0)
+        lim = EnvConfig(max_turns=3, max_total_tokens=40, step_timeout_s=0.2)
         gen = _gen(Model(tool_user), factory, lim)
         g = asyncio.run(gen.group(PROMPT, seed=1))
         for s in g.samples:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from app.sync import GenerationGate
+from app.weights.loaders import GenerationGate
 
 
 async def _request(gate: GenerationGate, log: list[str], name: str, finish: asyncio.Event) -> None:

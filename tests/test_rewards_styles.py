@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from app.config import ConfigError, load_config
+from app.config import AlgorithmConfig, ConfigError, RewardConfig, RolloutConfig
+from app.preflight import load_config
 from app.records import Batch, GenerateRequest, GenerateResponse, Prompt, Sample
 from app.rewards import RewardResult
 from app.rewards.check import RewardCheckError, check_on_first_row
@@ -19,7 +20,7 @@ from app.rewards.combine import RewardSpec, combine
 from app.rewards.guard import RewardsFailed
 from app.rewards.pool import RewardPool
 from app.rewards.styles import RewardCall, RewardInput
-from app.rollout import AsyncProducer, GenSettings, GroupGenerator, ProducerSettings, PromptStream
+from app.rollout import AsyncProducer, GroupGenerator, PromptStream
 from app.rollout.dataset import plain_row, to_prompt
 from app.rollout.prompt_files import normalize_row
 from tests import reward_styles_example as ex
@@ -61,7 +62,12 @@ def _decode(ids: list[int]) -> str:
 def _generator(pool: RewardPool, texts: list[str], n: int = 2) -> GroupGenerator:
     # Replica answers one sample a request, its texts in turn
     return GroupGenerator(
-        Replica(texts), _decode, pool.score, GenSettings(n=n, max_tokens=16, group_requests=False)
+        Replica(texts),
+        _decode,
+        pool.score,
+        RolloutConfig(n=n, max_tokens=16, group_requests=False),
+        reward=RewardConfig(),
+        seed=0,
     )
 
 
@@ -147,7 +153,7 @@ def test_verl_and_trl_functions_load():
 def test_two_weighted_rewards_give_the_weighted_total_and_sub_scores():
     """reward.fns with reward.weights: total = 1.0 x exact_match + 0.5 x length; each function's score is
     kept on the sample and logged as reward/<name>."""
-    from app.trainer.learner import batch_metrics
+    from app.trainer.batch_metrics import batch_metrics
 
     overrides = [f"reward.fns=[exact_match,{EX}:length_bonus]", "reward.weights=[1.0,0.5]"]
     g = _scored(overrides, PLAIN_ROW, ["5", "44"])
@@ -242,7 +248,7 @@ def test_fully_async_stops_at_once_when_the_rewards_all_fail():
     async def run_group(prompt: Prompt, seed: int):
         raise RewardsFailed("the reward failed on all of the first 1 samples")
 
-    prod = AsyncProducer(stream, run_group, ProducerSettings(batch_groups=1, max_inflight=1))
+    prod = AsyncProducer(stream, run_group, AlgorithmConfig(), batch_groups=1, max_inflight=1, seed=0)
 
     async def run() -> None:
         await prod.start()

@@ -11,11 +11,11 @@ from collections import Counter
 
 import pytest
 
-from app.config import load_config
+from app.config import RewardConfig, RolloutConfig, load_config, typed
 from app.records import GenerateRequest, GenerateResponse, Group, PipelineSnapshot, Prompt, Sample
 from app.rewards import RewardResult
 from app.rewards.styles import RewardInput
-from app.rollout import Frozen, GenSettings, GroupGenerator, PromptStream
+from app.rollout import Frozen, GroupGenerator, PromptStream
 from app.rollout.producer import reward_errors
 from app.rollout.prompt_files import DataError
 
@@ -139,12 +139,18 @@ class SeededReplica:
         return GenerateResponse(samples=samples, replica="r1", version=3)
 
 
-def _gen(fake: FakeReplica | SeededReplica, **kw) -> GroupGenerator:
-    """A generator over `fake`; one request per sample unless `group_requests=True` (FakeReplica answers one
-    sample a request: these tests drive the per-sample mechanics, resubmits, freezes, regenerations)."""
+def _gen(fake: FakeReplica | SeededReplica, reward: RewardConfig | None = None, **kw) -> GroupGenerator:
+    """A generator over `fake` (`kw`: `rollout.*`); one request per sample unless `group_requests=True`
+    (FakeReplica answers one sample a request: these tests drive the per-sample mechanics, resubmits,
+    freezes, regenerations)."""
     kw.setdefault("group_requests", False)
     return GroupGenerator(
-        fake, lambda ids: " ".join(map(str, ids)), _score, GenSettings(n=2, max_tokens=4, **kw)
+        fake,
+        lambda ids: " ".join(map(str, ids)),
+        _score,
+        RolloutConfig(n=2, max_tokens=4, **kw),
+        reward=reward or RewardConfig(),
+        seed=0,
     )
 
 
@@ -186,7 +192,9 @@ def test_reward_output_past_the_cap_is_counted():
         FakeReplica(),
         lambda ids: " ".join(map(str, ids)),
         chatty,
-        GenSettings(n=2, max_tokens=4, group_requests=False),
+        RolloutConfig(n=2, max_tokens=4, group_requests=False),
+        reward=RewardConfig(),
+        seed=0,
     )
     g = asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="a"), seed=3))
     assert all(s.reward == 1.0 for s in g.samples)
@@ -257,7 +265,7 @@ def test_generator_fails_a_failed_request_clearly():
 def test_generator_overlong_punishment_shapes_training_rewards_only():
     """reward.overlong_buffer=2, overlong_factor=0.5 with max_tokens 4: a 4-token response (the fake's
     length) loses 0.5 in training, scored at once or after the batch; validation rewards stay raw."""
-    gen = _gen(FakeReplica(), overlong_buffer=2, overlong_factor=0.5)
+    gen = _gen(FakeReplica(), RewardConfig(overlong_buffer=2, overlong_factor=0.5))
     g = asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1], answer="a"), seed=0))
     assert [s.reward for s in g.samples] == [3.5, 3.5]  # 4 words - 0.5
     assert all(s.reward_extras["overlong_penalty"] == -0.5 for s in g.samples)
@@ -272,7 +280,7 @@ def test_generator_passes_top_k_and_stop_strings():
     """Training requests carry `rollout.top_k` and `rollout.stop`; a greedy one (validation) keeps the stop
     strings and drops top-k, as it drops top-p."""
     fake = FakeReplica()
-    gen = _gen(fake, top_p=0.8, top_k=7, stop=("</a>",))
+    gen = _gen(fake, top_p=0.8, top_k=7, stop=["</a>"])
     asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="x"), seed=3))
     asyncio.run(
         gen.group(Prompt(uid="v", prompt_ids=[1, 2], answer="x"), seed=0, n=1, temperature=0.0, train=False)
@@ -283,15 +291,18 @@ def test_generator_passes_top_k_and_stop_strings():
 
 
 def test_trainer_behaviour_logprobs_ask_the_engine_for_none():
-    """`rollout.behaviour_logprobs=trainer` reaches the requests through the settings the run builds from its
-    config (vLLM then computes no log-probs); the default asks for the sampled tokens'."""
+    """`rollout.behaviour_logprobs=trainer` reaches the requests from the run's config (vLLM then computes no
+    log-probs); the default asks for the sampled tokens'."""
     for value, wanted in (("engine", True), ("trainer", False)):
         for group in (True, False):  # one request a group (the default), or one a sample
             fake = SeededReplica() if group else FakeReplica()
             cfg = load_config(
                 None, [f"rollout.behaviour_logprobs={value}", f"rollout.group_requests={group}"]
             )
-            gen = GroupGenerator(fake, lambda ids: " ".join(map(str, ids)), _score, GenSettings.from_cfg(cfg))
+            c = typed(cfg)
+            gen = GroupGenerator(
+                fake, lambda ids: " ".join(map(str, ids)), _score, c.rollout, reward=c.reward, seed=c.seed
+            )
             asyncio.run(gen.group(Prompt(uid="u", prompt_ids=[1, 2], answer="x"), seed=3))
             assert len(fake.calls) == (1 if group else cfg.rollout.n), (value, group)
             assert all(r.logprobs is wanted for r in fake.calls), (value, group)

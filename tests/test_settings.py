@@ -1,46 +1,43 @@
-"""Role settings read from config sections by field name (app/infra/settings.py): every role's settings come
-from the config it runs with, typed or as the plain DictConfig a Ray actor receives, and a field no section
-holds (a renamed key) or two sections hold fails instead of keeping a default."""
+"""Roles take their settings from the typed config (app/config/), never from copies with defaults of their
+own: a copy's default drifts from the config's (a generator once waited 300 s for a request the config bounds
+at 120 s). The one record that crosses into another process, the chat frontend's `ChatSettings`, has no
+defaults and is built from the config it runs with, in every form a role receives it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ast
+from pathlib import Path
 
-import pytest
 from omegaconf import OmegaConf
 
-from app.config import AlgorithmConfig, RolloutConfig, TrainConfig, load_config, to_container, typed
+from app.config import load_config, to_container, typed
 from app.envs.agent.openai_chat import ChatSettings
-from app.infra.settings import from_sections
-from app.rollout.episode import EpisodeLimits
-from app.rollout.generator import GenSettings
-from app.rollout.producer import ProducerSettings
+
+APP = Path(__file__).resolve().parents[1] / "app"
 
 
-def test_every_role_reads_its_settings_from_the_config_it_runs_with():
-    cfg = load_config(None, ["rollout.top_p=0.5", "reward.on_error=-1", "train.batch_groups=3", "seed=9"])
+def _settings_classes_with_defaults() -> list[str]:
+    """`path:Class.field` for each field given a default in a class of app/ whose name ends in Settings."""
+    found = []
+    for path in sorted(APP.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Settings"):
+                found += [
+                    f"{path.relative_to(APP.parent)}:{node.name}.{ast.unparse(f.target)}"
+                    for f in node.body
+                    if isinstance(f, ast.AnnAssign) and f.value is not None
+                ]
+    return found
+
+
+def test_no_settings_class_in_app_keeps_defaults_of_its_own():
+    found = _settings_classes_with_defaults()
+    assert not found, f"settings with their own defaults (take the config's section instead): {found}"
+
+
+def test_the_chat_frontends_settings_come_from_the_config_it_runs_with():
+    cfg = load_config(None, ["rollout.top_p=0.5", "rollout.request_timeout_s=7", "env.agent_timeout_s=400"])
     for form in (cfg, OmegaConf.create(to_container(cfg)), typed(cfg)):
-        gen = GenSettings.from_cfg(form)
-        assert (gen.top_p, gen.seed, gen.stop, gen.lengths) == (0.5, 9, (), None)
-        assert EpisodeLimits.from_cfg(form).on_error == -1.0
-        assert ProducerSettings.from_cfg(form).batch_groups == 3
-        chat = ChatSettings.from_cfg(form)
-        assert (chat.model_name, chat.top_p, chat.max_sessions) == ("builtin:tiny", 0.5, 100_000)
-
-
-@dataclass
-class _Both:
-    seed: int = 0
-    n: int = 8
-
-
-def test_a_field_no_section_or_two_sections_hold_is_an_error():
-    rollout, algorithm = RolloutConfig(n=4), AlgorithmConfig()
-    assert from_sections(_Both, rollout, seed=3) == _Both(seed=3, n=4)
-    with pytest.raises(TypeError, match=r"_Both.seed: none of the config sections"):
-        from_sections(_Both, rollout)  # no section has `seed`: not silently the default
-    with pytest.raises(TypeError, match=r"_Both.n: 2 of the config sections"):
-        from_sections(_Both, rollout, OmegaConf.create({"n": 2}), seed=1)
-    assert from_sections(_Both, rollout, own=("seed",)).seed == 0
-    with pytest.raises(TypeError, match="has no field max_staleness"):
-        from_sections(_Both, rollout, algorithm, TrainConfig(), seed=1, max_staleness=2.0)
+        chat = ChatSettings.of(form)
+        assert (chat.model_name, chat.top_p, chat.request_timeout_s) == ("builtin:tiny", 0.5, 7)
+        assert chat.max_tokens == cfg.rollout.max_tokens and chat.session_ttl_s == 800.0

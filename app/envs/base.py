@@ -12,6 +12,10 @@ of the run (keys of its own checked at load, a service deployed beside the rollo
 config and the driver call the hooks of every kind and check no name. A factory that runs whole episodes
 itself (agent sessions) is an `EpisodeMaker`.
 
+An episode runner (app/rollout/episode.py, app/envs/agent/session.py) sees the generator as `Turns`: one
+model turn at a time, the tokenizer, the run's counters and the checkpoint's freeze. `GroupGenerator`
+(app/rollout/generator.py) implements it.
+
 Replay: a checkpoint freezes an episode mid-trajectory as its tokens and loss mask only. A restored run
 rebuilds the environment's state by calling `reset` and then `step` again on each finished model turn, so
 `step` must be a deterministic function of the episode so far (true of every built-in environment; an
@@ -22,11 +26,14 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from app.records import Prompt
+from app.config import EnvConfig
+from app.records import GenerateRequest, Prompt, Sample
+from app.rewards import RewardResult
 
 
 @dataclass(kw_only=True)
@@ -64,14 +71,39 @@ class EnvFactory(Protocol):
     def __call__(self) -> Environment: ...
 
 
+class Turns(Protocol):
+    """What an episode runner needs of the generator: model turns, the tokenizer, counters, the freeze."""
+
+    stats: Counter[str]  # the run's counters (env/errors_*, env/steps, ...)
+    freezing: bool  # a checkpoint's freeze: an episode ends as a partial sample
+
+    async def turn(self, uid: str, req: GenerateRequest) -> Sample:
+        """One sample of `req` (n=1) for prompt `uid`, within `rollout.request_timeout_s`; one a push
+        aborted is continued as the run's partial-rollout policy says (its tokens keep their versions)."""
+        ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class EpisodeRunner(Protocol):
+    async def run(
+        self, prompt: Prompt, req: GenerateRequest, partial: Sample | None
+    ) -> tuple[Sample, RewardResult | None]:
+        """One sample's episode (continuing `partial`, a frozen one) and its reward (None: frozen again)."""
+        ...
+
+
 class EpisodeMaker(ABC):
     """A factory that runs whole episodes itself (app/envs/agent: agent sessions) instead of giving per-turn
-    environments: `GroupGenerator` runs each sample through `make_episode(gen, limits).run(prompt, req,
-    partial)`, which returns the sample and its reward."""
+    environments: `GroupGenerator` runs each sample through `make_episode(turns, env, on_error).run(prompt,
+    req, partial)`, which returns the sample and its reward."""
 
     @abstractmethod
-    def make_episode(self, gen: Any, limits: Any) -> Any:
-        """The runner of this generator's episodes (`gen` a GroupGenerator, `limits` its EpisodeLimits)."""
+    def make_episode(self, turns: Turns, env: EnvConfig, on_error: float) -> EpisodeRunner:
+        """The runner of episodes generated through `turns`, bounded by the config's `env` section; a failed
+        episode scores `on_error` (`reward.on_error`)."""
 
 
 class EnvKeyError(ValueError):

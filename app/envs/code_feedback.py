@@ -1,7 +1,7 @@
 """Code with feedback (`env.name=code_feedback`): the code task (`builtin:code`) as a multi-turn environment.
 
 A model turn is a program (a ```python block, as the task's prompt asks). The environment runs it on the
-row's hidden tests in the sandbox: app/rewards/sandbox.py `code_feedback`, the code reward's own path (the same
+row's hidden tests in the sandbox: app/rewards/code.py `code_feedback`, the code reward's own path (the same
 isolation, per-test limits and budget), through the run's `Offload`, since the sandbox blocks: on a reward
 worker when `reward.workers > 0` (where the code reward's sandbox runs too), else in a rollouter thread.
 When every test passes the episode ends with reward 1. Otherwise the observation is a short report of the
@@ -28,7 +28,7 @@ from typing import Any
 
 from app.envs.base import EnvStep, Offload, in_thread
 from app.records import Prompt
-from app.rewards.sandbox import CODE_BUDGET_S, code_feedback
+from app.rewards.code import CODE_BUDGET_S, code_feedback
 
 CheckFn = Callable[[str, str, float], tuple[dict, str]]  # (response, answer, budget_s) -> (score, report)
 BUDGET_MARGIN_S = 1.0  # of env.step_timeout_s left to the sandbox's cleanup and the thread hand-off

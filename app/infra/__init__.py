@@ -8,5 +8,4 @@ metrics.py      Prometheus metrics through `ray.util.metrics`
 log_filters.py  logging set-up and filters for known-harmless third-party warnings
 run_lock.py     one run at a time per run folder; file locks for what concurrent runs share
 watchdog.py     the trainer's watchdog: stall reports, no silent hang
-settings.py     a role's settings read from its config sections by field name (no hand-written copies)
 """

@@ -13,16 +13,14 @@ serve_generate.py  the `GenerateFn` over the Serve deployment (app/serve_rollout
 reference.py       reference log-probs off the trainer (`RefPool`)
 """
 
-from app.rollout.generator import Frozen, GenerateFn, GenSettings, GroupGenerator
-from app.rollout.producer import AsyncProducer, ProducerSettings
+from app.rollout.generator import Frozen, GenerateFn, GroupGenerator
+from app.rollout.producer import AsyncProducer
 from app.rollout.prompt_stream import PromptStream
 
 __all__ = [
     "AsyncProducer",
     "Frozen",
-    "GenSettings",
     "GenerateFn",
     "GroupGenerator",
-    "ProducerSettings",
     "PromptStream",
 ]

@@ -4,7 +4,7 @@ The trajectory is a `Sample` whose tokens interleave model turns (loss mask 1, t
 policy version of each token as sampled) and environment observations (loss mask 0, log-prob 0, the
 version of the nearest model token, so staleness still counts the oldest model token). Each turn is one
 generation request of prompt + trajectory so far, so partial rollouts work per turn: a push mid-turn is
-kept (`keep`) or the turn resubmitted (`resubmit`, app/rollout/generator.py `_complete`), and a
+kept (`keep`) or the turn resubmitted (`resubmit`: the generator's `Turns.turn`), and a
 checkpoint's freeze ends the episode as a partial sample that a restored run continues (the environment's
 state is rebuilt by replaying its steps on the finished model turns: app/envs/base.py).
 
@@ -20,33 +20,15 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
-from app.envs.base import EnvFactory, Environment, EnvStep
-from app.infra.settings import from_sections
+from app.config import EnvConfig
+from app.envs.base import EnvFactory, Environment, EnvStep, Turns
 from app.records import GenerateRequest, Prompt, Sample
 from app.rewards import RewardResult
 
-if TYPE_CHECKING:
-    from app.rollout.generator import GroupGenerator
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(kw_only=True)
-class EpisodeLimits:
-    """Bounds of one multi-turn episode (`env.*`) and the score of one that fails (`reward.on_error`)."""
-
-    max_turns: int = 4
-    max_total_tokens: int = 64
-    step_timeout_s: float = 10.0
-    on_error: float = 0.0
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> EpisodeLimits:
-        """`env.*` and `reward.on_error`, by name (app/infra/settings.py)."""
-        return from_sections(cls, cfg.env, cfg.reward)
 
 
 class EnvError(Exception):
@@ -128,10 +110,11 @@ def _fill_versions(vers: list[int | None]) -> list[int]:
 
 
 class Episode:
-    """Runs one sample's episode for a `GroupGenerator` (its generation, decode/encode and stats)."""
+    """Runs one sample's episode through the generator's `Turns` (model turns, decode/encode, stats),
+    bounded by the config's `env` section (`lim`); a failed one scores `on_error` (`reward.on_error`)."""
 
-    def __init__(self, gen: GroupGenerator, factory: EnvFactory, limits: EpisodeLimits) -> None:
-        self.gen, self.factory, self.lim = gen, factory, limits
+    def __init__(self, turns: Turns, factory: EnvFactory, env: EnvConfig, on_error: float) -> None:
+        self.turns, self.factory, self.lim, self.on_error = turns, factory, env, on_error
 
     async def run(
         self, prompt: Prompt, req: GenerateRequest, partial: Sample | None
@@ -147,10 +130,10 @@ class Episode:
                 await self._replay(env, traj)
             return await self._turns(env, prompt, req, traj)
         except EnvError as e:
-            self.gen.stats[f"env/errors_{e.kind}"] += 1
+            self.turns.stats[f"env/errors_{e.kind}"] += 1
             log.warning("environment failed on prompt %s: %s", prompt.uid, e.detail)
             return traj.sample("stop"), RewardResult(
-                score=self.lim.on_error, error=f"env_{e.kind}", detail=e.detail
+                score=self.on_error, error=f"env_{e.kind}", detail=e.detail
             )
 
     async def _replay(self, env: Environment, traj: Trajectory) -> None:
@@ -158,7 +141,7 @@ class Episode:
         runs = traj.model_runs()
         finished = runs if traj.mask and not traj.mask[-1] else runs[:-1]
         for a, b in finished:
-            await self._call(env.step(self.gen.decode(traj.tokens[a:b])), "step", traj)
+            await self._call(env.step(self.turns.decode(traj.tokens[a:b])), "step", traj)
 
     async def _turns(
         self, env: Environment, prompt: Prompt, req: GenerateRequest, traj: Trajectory
@@ -174,10 +157,10 @@ class Episode:
             budget = min(req.max_tokens - (len(traj.tokens) - start), room)
             turn = await self._generate(req, prompt, traj, budget)
             traj.add_model(turn)
-            if turn.finish_reason == "abort" and self.gen.freezing:
+            if turn.finish_reason == "abort" and self.turns.freezing:
                 return traj.sample("abort"), None
             traj.turns += 1
-            step = await self._call(env.step(self.gen.decode(traj.tokens[start:])), "step", traj)
+            step = await self._call(env.step(self.turns.decode(traj.tokens[start:])), "step", traj)
             traj.tool_calls += int(step.tool_call)
             if step.done:
                 return traj.sample("stop"), self._result(step)
@@ -187,7 +170,7 @@ class Episode:
     async def _generate(
         self, req: GenerateRequest, prompt: Prompt, traj: Trajectory, max_tokens: int
     ) -> Sample:
-        """One model turn (continued where a freeze cut it), through the generator's request path."""
+        """One model turn (continued where a freeze cut it), through the generator's `Turns.turn`."""
         cont = replace(
             req,
             prompt_ids=list(prompt.prompt_ids) + traj.tokens,
@@ -195,12 +178,7 @@ class Episode:
             n=1,
             seed=None if req.seed is None else req.seed + 7919 * (traj.turns + 1),
         )
-        resp = await self.gen._request(prompt.uid, cont)
-        s = resp.samples[0]
-        s.replica = s.replica or resp.replica
-        if self.gen.s.partial == "resubmit" or s.finish_reason == "abort":
-            s = await self.gen._complete(cont, s)
-        return s
+        return await self.turns.turn(prompt.uid, cont)
 
     async def _call(self, coro: Awaitable[T], what: str, traj: Trajectory) -> T:
         t0 = time.perf_counter()
@@ -215,12 +193,12 @@ class Episode:
         finally:
             dt = time.perf_counter() - t0
             traj.env_s += dt
-            self.gen.stats["env/step_s_sum"] += dt
-            self.gen.stats["env/steps"] += 1
+            self.turns.stats["env/step_s_sum"] += dt
+            self.turns.stats["env/steps"] += 1
 
     def _encode(self, text: str, traj: Trajectory) -> list[int]:
         """An observation's tokens, cut to what the total token budget leaves."""
-        ids = self.gen.encode(text) if text else []
+        ids = self.turns.encode(text) if text else []
         return ids[: max(0, self.lim.max_total_tokens - len(traj.tokens))]
 
     @staticmethod

@@ -19,16 +19,16 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Protocol
 
-from app.envs.base import EnvFactory, EpisodeMaker
-from app.infra.settings import from_sections
+from app.config import EnvConfig, RewardConfig, RolloutConfig, parse_lengths
+from app.envs.base import EnvFactory, EpisodeMaker, EpisodeRunner
 from app.records import GenerateRequest, GenerateResponse, Group, Prompt, Sample
 from app.rewards import RewardResult, overlong_penalty
 from app.rewards.styles import RewardInput
 from app.rollout import admission
-from app.rollout.episode import Episode, EpisodeLimits
+from app.rollout.episode import Episode
 
 log = logging.getLogger(__name__)
 
@@ -57,70 +57,45 @@ class Frozen(Exception):
         self.key, self.samples = key, samples
 
 
-@dataclass(kw_only=True)
-class GenSettings:
-    """How a group generates: `rollout.*` sampling keys, the run's seed and DAPO's overlong shaping."""
-
-    n: int = 8
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    partial: str = "keep"
-    behaviour_logprobs: str = "engine"  # `trainer`: vLLM returns no log-probs (the trainer's stand in)
-    group_requests: bool = True  # one request per group (the replica runs its samples), not per sample
-    request_timeout_s: float = 300.0
-    lengths: tuple[float, int] | None = None
-    seed: int = 0
-    overlong_buffer: int = 0  # reward.overlong_buffer: DAPO's soft punishment of training responses
-    overlong_factor: float = 1.0
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> GenSettings:
-        """`rollout.*` and `reward.overlong_*` by name (app/infra/settings.py), the run's seed."""
-        from app.config import parse_lengths
-
-        r = cfg.rollout
-        return from_sections(
-            cls, r, cfg.reward, seed=cfg.seed, stop=tuple(r.stop), lengths=parse_lengths(r.lengths)
-        )
-
-
 class GroupGenerator:
-    """Generates and scores groups; `inflight` holds the keys of groups generating now."""
+    """Generates and scores groups; `inflight` holds the keys of groups generating now. It is the `Turns`
+    (app/envs/base.py) its episodes generate their model turns through."""
 
     def __init__(
         self,
         generate: GenerateFn,
         decode: Callable[[list[int]], str],
         score: ScoreFn,
-        settings: GenSettings,
+        rollout: RolloutConfig,
+        *,
+        reward: RewardConfig,
+        seed: int,
         refs: RefFill | None = None,
         stats: Counter[str] | None = None,
         env: EnvFactory | EpisodeMaker | None = None,
         encode: Callable[[str], list[int]] | None = None,
-        limits: EpisodeLimits | None = None,
+        limits: EnvConfig | None = None,
     ) -> None:
-        """`env`: a factory of environments (app/envs): each sample is then a multi-turn episode
-        (app/rollout/episode.py) whose reward the environment gives; `encode` tokenizes its observations."""
-        self.generate, self.decode, self.score = generate, decode, score
-        self.s = settings
-        self.refs = refs
-        if env is not None and encode is None:
-            raise ValueError(
-                "a multi-turn generator needs `encode` to tokenize the environment's observations"
+        """Sampling from `rollout`, DAPO's overlong shaping and a failed episode's score from `reward`, the
+        run's `seed` (long-tailed lengths). `env`: a factory of environments (app/envs): each sample is then
+        a multi-turn episode (app/rollout/episode.py) whose reward the environment gives, bounded by
+        `limits` (the config's `env` section); `encode` tokenizes its observations."""
+        self.generate, self._decode, self.score = generate, decode, score
+        self.rollout, self.reward, self.seed = rollout, reward, seed
+        self.lengths = parse_lengths(rollout.lengths)
+        self.refs, self._encode = refs, encode
+        self.episode: EpisodeRunner | None = None
+        if env is not None:
+            if encode is None or limits is None:
+                raise ValueError(
+                    "a multi-turn generator needs `encode` to tokenize the environment's observations and "
+                    "`limits` (the config's `env` section) to bound its episodes"
+                )
+            self.episode = (
+                env.make_episode(self, limits, reward.on_error)  # it runs whole episodes itself (agents)
+                if isinstance(env, EpisodeMaker)
+                else Episode(self, env, limits, reward.on_error)
             )
-        self.encode = encode
-        lim = limits or EpisodeLimits()
-        self.episode = (
-            None
-            if env is None
-            else env.make_episode(self, lim)  # it runs whole episodes itself (agent sessions)
-            if isinstance(env, EpisodeMaker)
-            else Episode(self, env, lim)
-        )
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.inflight: set[str] = set()
         self.freezing = False
@@ -137,27 +112,28 @@ class GroupGenerator:
     ) -> Group:
         """One prompt's group of `n` samples (a restored prompt continues its partial samples). Rewards
         are scored as each sample finishes unless `score_now` is false (then call `score_group`)."""
-        temp = self.s.temperature if temperature is None else temperature
+        r = self.rollout
+        temp = r.temperature if temperature is None else temperature
         req = GenerateRequest(
             prompt_ids=list(prompt.prompt_ids),
-            max_tokens=admission.response_budget(self.s.lengths, prompt.uid, self.s.seed, self.s.max_tokens),
+            max_tokens=admission.response_budget(self.lengths, prompt.uid, self.seed, r.max_tokens),
             temperature=temp,
-            top_p=self.s.top_p if temp > 0 else 1.0,
-            top_k=self.s.top_k if temp > 0 else 0,
-            stop=list(self.s.stop),
+            top_p=r.top_p if temp > 0 else 1.0,
+            top_k=r.top_k if temp > 0 else 0,
+            stop=list(r.stop),
             seed=seed,
-            ignore_eos=self.s.ignore_eos,
-            logprobs=self.s.behaviour_logprobs == "engine",
+            ignore_eos=r.ignore_eos,
+            logprobs=r.behaviour_logprobs == "engine",
         )
         key = prompt.key if train else f"val:{prompt.uid}"
         if prompt.partial:
             self.stats["ckpt/resumed_partial_groups"] += 1
-        count = len(prompt.partial) if prompt.partial else (n or self.s.n)
+        count = len(prompt.partial) if prompt.partial else (n or self.rollout.n)
         reqs = [replace(req, seed=None if seed is None else seed + i) for i in range(count)]
         self.inflight.add(key)
         try:
             outs = await self._samples(prompt, req, reqs, score_now)
-            if self.s.partial == "off" and self.episode is None and not prompt.partial:
+            if self.rollout.partial == "off" and self.episode is None and not prompt.partial:
                 outs = await self._one_version(prompt, reqs, outs, score_now)
         finally:
             self.inflight.discard(key)
@@ -193,12 +169,13 @@ class GroupGenerator:
         The samples older than the group's newest are generated again (counted in `async/off_regenerated`),
         until all agree; past `rollout.request_timeout_s` the group fails and its prompt goes back to the
         stream. (Restored partial samples and multi-turn episodes are left as they are.)"""
-        deadline = time.monotonic() + self.s.request_timeout_s
+        timeout_s = self.rollout.request_timeout_s
+        deadline = time.monotonic() + timeout_s
         while stale := admission.older_than_newest([s for s, _ in outs]):
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"prompt {prompt.uid}: pushes kept landing between its samples for "
-                    f"rollout.request_timeout_s={self.s.request_timeout_s}s, so its group never came from one "
+                    f"rollout.request_timeout_s={timeout_s}s, so its group never came from one "
                     "policy version (rollout.partial=off); push less often or use rollout.partial=keep"
                 )
             self.stats["async/off_regenerated"] += len(stale)
@@ -218,9 +195,12 @@ class GroupGenerator:
             self.stats["reward/output_dropped_bytes"] += res.output_dropped
         s.reward, s.reward_error, s.reward_extras = res.score, res.error, dict(res.extras or {})
         s.reward_scores = dict(getattr(res, "scores", None) or {})
-        if shape and self.s.overlong_buffer > 0:
+        if shape and self.reward.overlong_buffer > 0:
             pen = overlong_penalty(
-                len(s.token_ids), self.s.max_tokens, self.s.overlong_buffer, self.s.overlong_factor
+                len(s.token_ids),
+                self.rollout.max_tokens,
+                self.reward.overlong_buffer,
+                self.reward.overlong_factor,
             )
             s.reward += pen
             s.reward_extras["overlong_penalty"] = pen
@@ -246,7 +226,7 @@ class GroupGenerator:
         """The group's samples, each scored as it finishes (or, with `rollout.group_requests`, as the group
         does): one request per sample, or one for the whole group, whose replica seeds its sample i as
         `reqs[i]` would be (`req.seed + i`). Episodes and restored partial samples go one by one."""
-        if self.s.group_requests and self.episode is None and not prompt.partial:
+        if self.rollout.group_requests and self.episode is None and not prompt.partial:
             resp = await self._request(prompt.uid, replace(req, n=len(reqs)))
             if len(resp.samples) != len(reqs):
                 raise RuntimeError(
@@ -288,7 +268,7 @@ class GroupGenerator:
         self, prompt: Prompt, req: GenerateRequest, sample: Sample, score_now: bool
     ) -> tuple[Sample, RewardResult | None]:
         """A generated sample: continued while a push aborted it (`resubmit`), decoded, scored now or later."""
-        if self.s.partial == "resubmit" or sample.finish_reason == "abort":
+        if self.rollout.partial == "resubmit" or sample.finish_reason == "abort":
             sample = await self._complete(req, sample)
         if self.freezing and sample.finish_reason == "abort":
             return sample, None
@@ -297,15 +277,35 @@ class GroupGenerator:
             return sample, None
         return sample, await self.score(RewardInput.of(prompt, sample.text))
 
+    async def turn(self, uid: str, req: GenerateRequest) -> Sample:
+        """One sample of `req` (an episode's model turn; `Turns.turn`, app/envs/base.py): requested, then
+        continued while a push aborted it (`resubmit`)."""
+        resp = await self._request(uid, req)
+        s = resp.samples[0]
+        s.replica = s.replica or resp.replica
+        if self.rollout.partial == "resubmit" or s.finish_reason == "abort":
+            s = await self._complete(req, s)
+        return s
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(ids)
+
+    def encode(self, text: str) -> list[int]:
+        """An environment's observation as tokens (multi-turn generators only: they are given `encode`)."""
+        if self._encode is None:
+            raise RuntimeError("this generator runs no episodes: it was given no `encode`")
+        return self._encode(text)
+
     async def _request(self, uid: str, req: GenerateRequest) -> GenerateResponse:
         """One generation within `rollout.request_timeout_s`. A replica or engine that died is retried on a
         live one by the `GenerateFn` itself (app/rollout/serve_generate.py: within the same deadline);
         what still fails here fails the group, whose prompt goes back to the stream."""
+        timeout_s = self.rollout.request_timeout_s
         try:
-            return await asyncio.wait_for(self.generate(req), timeout=self.s.request_timeout_s)
+            return await asyncio.wait_for(self.generate(req), timeout=timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(
-                f"generation for prompt {uid} took over rollout.request_timeout_s={self.s.request_timeout_s}s"
+                f"generation for prompt {uid} took over rollout.request_timeout_s={timeout_s}s"
             ) from None
         except Exception as e:
             self.stats["rollout/request_failures"] += 1
@@ -331,6 +331,6 @@ class GroupGenerator:
                 max_tokens=req.max_tokens - len(sample.token_ids),
                 seed=None,
             )
-            resp = await asyncio.wait_for(self.generate(cont), timeout=self.s.request_timeout_s)
+            resp = await asyncio.wait_for(self.generate(cont), timeout=self.rollout.request_timeout_s)
             sample = admission.merge_partial(sample, resp.samples[0])
         return sample

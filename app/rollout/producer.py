@@ -22,10 +22,9 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-from app.infra.settings import from_sections
+from app.config import AlgorithmConfig
 from app.records import Batch, Filtered, Group, Prompt
 from app.rewards.guard import RewardsFailed
 from app.rollout import admission, filtering
@@ -39,22 +38,6 @@ MAX_TRIES = 3
 RunGroup = Callable[[Prompt, int], Awaitable[Group]]  # (prompt, seed) -> finished, scored group
 
 
-@dataclass(kw_only=True)
-class ProducerSettings:
-    max_staleness: float = 1.0
-    batch_groups: int = 8
-    max_inflight: int = 32
-    over_bound: str = "train"
-    filter_groups: bool = False
-    seed: int = 0
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> ProducerSettings:
-        """`algorithm.*`, `train.batch_groups`, `rollout.max_inflight` by name (app/infra/settings.py), the
-        run's seed."""
-        return from_sections(cls, cfg.algorithm, cfg.train, cfg.rollout, seed=cfg.seed)
-
-
 class AsyncProducer:
     """Admission, the background producer and the queue of finished groups (one asyncio loop)."""
 
@@ -62,11 +45,19 @@ class AsyncProducer:
         self,
         stream: PromptStream,
         run_group: RunGroup,
-        settings: ProducerSettings,
+        algorithm: AlgorithmConfig,
+        *,
+        batch_groups: int,
+        max_inflight: int,
+        seed: int,
         stats: Counter[str] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.stream, self.run_group, self.s = stream, run_group, settings
+        """`algorithm`: the staleness bound, `over_bound` and `filter_groups`; `batch_groups` groups a
+        training step (`train.batch_groups`), at most `max_inflight` generating (`rollout.max_inflight`);
+        `seed` (the run's) seeds the groups' seeds."""
+        self.stream, self.run_group, self.algorithm = stream, run_group, algorithm
+        self.batch_groups, self.max_inflight = batch_groups, max_inflight
         self.stats: Counter[str] = stats if stats is not None else Counter()
         self.clock = clock
         self.version = 0  # the replicas' weight version (after the trainer's pushes)
@@ -80,15 +71,15 @@ class AsyncProducer:
         self.idle_since: float | None = None  # no group generating since (rollout idle time)
         self.idle_s = 0.0
         self.window_start = clock()
-        self._rng = random.Random(settings.seed * 1_000_003 + 7)
+        self._rng = random.Random(seed * 1_000_003 + 7)
 
     # ------------------------------------------------------------ control
 
     def limit(self) -> int:
-        return admission.admission_limit(self.s.max_staleness, self.version, self.s.batch_groups)
+        return admission.admission_limit(self.algorithm.max_staleness, self.version, self.batch_groups)
 
     def _can_start(self) -> bool:
-        return self.running < self.s.max_inflight and admission.can_admit(
+        return self.running < self.max_inflight and admission.can_admit(
             self.taken, len(self.ready), self.running, self.limit()
         )
 
@@ -210,14 +201,14 @@ class AsyncProducer:
                 raise RuntimeError(f"the rollout stream failed: {self.error}")
             if self.ready:
                 g = self.ready.popleft()
-                if admission.over_bound(version, g.min_version, self.s.max_staleness):
+                if admission.over_bound(version, g.min_version, self.algorithm.max_staleness):
                     over += 1
                     self.stats["async/over_bound"] += 1
-                    if self.s.over_bound == "regenerate":
+                    if self.algorithm.over_bound == "regenerate":
                         self.stream.retry(g.prompt())
                         await self._notify()
                         continue
-                if self.s.filter_groups and not filtering.has_signal([s.reward for s in g.samples]):
+                if self.algorithm.filter_groups and not filtering.has_signal([s.reward for s in g.samples]):
                     drop.append(filtering.filtered(g))
                     self.stats["async/filtered_groups"] += 1
                     await self._notify()  # its admission slot is free: the next prompt starts

@@ -41,7 +41,8 @@ class RefWorker:
     def logprobs(self, prompt_ids: list[int], completions: list[list[int]]) -> list[list[float]]:
         import torch
 
-        from app.trainer.learner import Row, collate, row_values, scored_logprobs
+        from app.trainer.batch_tensors import Row, collate, row_values
+        from app.trainer.logprobs import scored_logprobs
 
         out: list[list[float]] = [[] for _ in completions]
         idx = [i for i, c in enumerate(completions) if c]

@@ -25,13 +25,14 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+from app.config import typed
 from app.envs import make_factory
 from app.infra.resources import ongoing_requests, samples_per_request
 from app.records import Batch, Group, PipelineSnapshot, Prompt, ValResult
 from app.rollout import filtering
-from app.rollout.episode import EpisodeLimits, env_metrics
-from app.rollout.generator import Frozen, GenSettings, GroupGenerator
-from app.rollout.producer import AsyncProducer, ProducerSettings, reward_errors
+from app.rollout.episode import env_metrics
+from app.rollout.generator import Frozen, GroupGenerator
+from app.rollout.producer import AsyncProducer, reward_errors
 from app.rollout.prompt_stream import PromptStream
 from app.rollout.serve_generate import ServeGenerate
 
@@ -90,20 +91,29 @@ class Rollouter:
         self._scoring_after_s = 0.0  # a sync batch's scoring after generation (reward.overlap=false)
         handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
         rewards = RewardPool(cfg.reward, cfg.ray.name)  # environments' blocking steps run beside rewards
+        c = typed(cfg)  # the sections as their dataclasses
         self.generator = GroupGenerator(
-            ServeGenerate(handle, cfg.rollout.request_timeout_s, stats=self.stats),
+            ServeGenerate(handle, c.rollout.request_timeout_s, stats=self.stats),
             lambda ids: tok.decode(ids, skip_special_tokens=True),
             rewards.score,
-            GenSettings.from_cfg(cfg),
+            c.rollout,
+            reward=c.reward,
+            seed=c.seed,
             refs=refs,
             stats=self.stats,
             env=make_factory(cfg.env.name, cfg, rewards.offload),
             encode=lambda text: list(tok.encode(text, add_special_tokens=False)),
-            limits=EpisodeLimits.from_cfg(cfg),
+            limits=c.env,
         )
         self.stream = PromptStream(self._epoch_rows, epochs=d.epochs, max_prompt_tokens=d.max_prompt_tokens)
         self.producer = AsyncProducer(
-            self.stream, self._stream_group, ProducerSettings.from_cfg(cfg), stats=self.stats
+            self.stream,
+            self._stream_group,
+            c.algorithm,
+            batch_groups=c.train.batch_groups,
+            max_inflight=c.rollout.max_inflight,
+            seed=c.seed,
+            stats=self.stats,
         )
         self._to_prompt = to_prompt
         self.gen_busy_s = 0.0

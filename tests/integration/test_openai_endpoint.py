@@ -95,25 +95,28 @@ def _client_session(port: int, handle, prompt: str, prompt_ids: list[int], tok) 
 def _runner_group(cfg, rollout_stack, row, prompt_ids: list[int], tok) -> None:
     from collections import Counter
 
+    from app.config import typed
     from app.envs import make_factory
     from app.records import Prompt
-    from app.rollout import GenSettings, GroupGenerator
-    from app.rollout.episode import EpisodeLimits
+    from app.rollout import GroupGenerator
     from app.rollout.serve_generate import ServeGenerate
 
     async def unused(*_a):
         raise AssertionError("the agent gives the reward")
 
     stats: Counter[str] = Counter()
+    c = typed(cfg)
     gen = GroupGenerator(
         ServeGenerate(rollout_stack["handle"], 60.0),
         lambda ids: tok.decode(ids, skip_special_tokens=True),
         unused,
-        GenSettings.from_cfg(cfg),
+        c.rollout,
+        reward=c.reward,
+        seed=c.seed,
         stats=stats,
         env=make_factory("openai_agent", cfg),
         encode=lambda t: tok.encode(t, add_special_tokens=False),
-        limits=EpisodeLimits.from_cfg(cfg),
+        limits=c.env,
     )
     prompt = Prompt(uid=row.uid, prompt_ids=prompt_ids, answer=row.answer, prompt_text=row.prompt)
     g = asyncio.run(asyncio.wait_for(gen.group(prompt, seed=1, n=2), 120))

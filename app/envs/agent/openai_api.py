@@ -112,7 +112,7 @@ def build_frontend(cfg: Any, model_path: str) -> Any:
         "logging_config": {"enable_access_log": cfg.log_level == "DEBUG"},
     }
     return serve.deployment(OpenAIFrontend, **opts).bind(
-        model_path, ChatSettings.from_cfg(cfg), app_name(cfg.ray.name)
+        model_path, ChatSettings.of(cfg), app_name(cfg.ray.name)
     )
 
 

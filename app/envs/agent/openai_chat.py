@@ -32,11 +32,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.envs.agent.session import SessionCall
-from app.infra.settings import from_sections
 from app.records import GenerateRequest, Sample
 from app.rollout import admission
 
 MAX_RESUBMITS = 100
+MAX_SESSIONS = 100_000  # open sessions at most (each is taken when its episode ends; idle ones expire)
 SEED_STRIDE = 7919  # a session's k-th call samples with seed + SEED_STRIDE * k (as Relay's episodes do)
 
 
@@ -52,28 +52,31 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ChatSettings:
-    """The frontend's limits and defaults, from the run's config (`from_cfg`: `rollout.*` by name)."""
+    """The frontend's limits and sampling defaults: a plain record, since it crosses into the frontend's
+    Serve replica; built from the run's config by `of` alone (no defaults of its own)."""
 
-    model_name: str = "relay"
-    max_model_len: int = 128
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    request_timeout_s: float = 120.0
-    session_ttl_s: float = 3600.0  # a session neither used nor taken for this long is dropped
-    max_sessions: int = 100_000
+    model_name: str  # what responses and /v1/models call the model: `model.path`
+    max_model_len: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    request_timeout_s: float
+    session_ttl_s: float  # a session neither used nor taken for this long is dropped
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> ChatSettings:
-        """`rollout.*` by name (app/infra/settings.py); the model's path names it; sessions outlive agents."""
-        return from_sections(
-            cls,
-            cfg.rollout,
+    def of(cls, cfg: Any) -> ChatSettings:
+        """The run's: `rollout.*`, named by `model.path`; a session outlives its agent (`env.agent_timeout_s`)."""
+        r = cfg.rollout
+        return cls(
             model_name=cfg.model.path,
+            max_model_len=r.max_model_len,
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            request_timeout_s=r.request_timeout_s,
             session_ttl_s=max(600.0, 2 * cfg.env.agent_timeout_s),
-            own=("max_sessions",),
         )
 
 
@@ -175,7 +178,7 @@ class ChatCore:
         now = time.monotonic()
         for k in [k for k, v in self.sessions.items() if now - v.touched > self.s.session_ttl_s]:
             del self.sessions[k]
-        if len(self.sessions) >= self.s.max_sessions:
+        if len(self.sessions) >= MAX_SESSIONS:
             raise RuntimeError(f"{len(self.sessions)} sessions open: are sessions taken when they end?")
         self.sessions[sid] = ChatSession(settings=dict(settings))
 

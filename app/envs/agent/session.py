@@ -34,15 +34,13 @@ import numbers
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from app.envs.base import EpisodeMaker
+from app.config import EnvConfig
+from app.envs.base import EpisodeMaker, Turns
 from app.records import GenerateRequest, Prompt, Sample
 from app.rewards import RewardResult
-from app.rollout.episode import EpisodeLimits, Trajectory
-
-if TYPE_CHECKING:
-    from app.rollout.generator import GroupGenerator
+from app.rollout.episode import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +140,7 @@ class AgentEpisodes(EpisodeMaker):
     def __call__(self) -> Any:
         raise TypeError("openai_agent runs whole agent sessions: GroupGenerator uses make_episode()")
 
-    def make_episode(self, gen: GroupGenerator, limits: EpisodeLimits) -> AgentEpisode:
+    def make_episode(self, turns: Turns, env: EnvConfig, on_error: float) -> AgentEpisode:
         from ray import serve
 
         from app.envs.agent.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
@@ -150,38 +148,33 @@ class AgentEpisodes(EpisodeMaker):
 
         handle = serve.get_deployment_handle(DEPLOYMENT, app_name=frontend_app_name(self.cfg.ray.name))
         base = f"http://127.0.0.1:{ray_compat.serve_http_port()}{ROUTE_PREFIX}"
-        return AgentEpisode(gen, self.agent, handle, base, limits, self.cfg.env.agent_timeout_s)
+        return AgentEpisode(turns, self.agent, handle, base, env, on_error)
 
 
 class AgentEpisode:
     """Runs one sample as an agent session (see the module docstring); `frontend` is the OpenAI frontend's
-    Serve handle, `base` its URL up to the session part."""
+    Serve handle, `base` its URL up to the session part. `env` (the config's section) bounds a session's
+    calls (`max_turns`) and time (`agent_timeout_s`); a failed session scores `on_error`."""
 
     def __init__(
-        self,
-        gen: GroupGenerator,
-        agent: Any,
-        frontend: Any,
-        base: str,
-        limits: EpisodeLimits,
-        timeout_s: float,
+        self, turns: Turns, agent: Any, frontend: Any, base: str, env: EnvConfig, on_error: float
     ) -> None:
-        self.gen, self.agent, self.frontend, self.base = gen, agent, frontend, base
-        self.lim, self.timeout_s = limits, timeout_s
+        self.turns, self.agent, self.frontend, self.base = turns, agent, frontend, base
+        self.max_calls, self.timeout_s, self.on_error = env.max_turns, env.agent_timeout_s, on_error
 
     async def run(
         self, prompt: Prompt, req: GenerateRequest, partial: Sample | None
     ) -> tuple[Sample, RewardResult | None]:
         """The session's trajectory and reward (None when a freeze cancelled it: an empty partial sample)."""
         if partial is not None:
-            self.gen.stats["env/agent_restarted"] += 1  # a frozen session starts again
+            self.turns.stats["env/agent_restarted"] += 1  # a frozen session starts again
         sid = f"{prompt.uid}-{uuid.uuid4().hex[:12]}"
         settings = {
             "temperature": req.temperature,
             "top_p": req.top_p,
             "max_tokens": req.max_tokens,
             "seed": req.seed,
-            "max_calls": self.lim.max_turns,
+            "max_calls": self.max_calls,
         }
         await asyncio.wait_for(self.frontend.open_session.remote(sid, settings), CALL_TIMEOUT_S)
         row = {"uid": prompt.uid, "prompt": prompt.prompt_text, "answer": prompt.answer}
@@ -197,21 +190,21 @@ class AgentEpisode:
             calls: list[SessionCall] = await asyncio.wait_for(
                 self.frontend.take_session.remote(sid), CALL_TIMEOUT_S
             )
-        if self.gen.freezing and err is not None and err.kind == "frozen":
+        if self.turns.freezing and err is not None and err.kind == "frozen":
             return Sample(token_ids=[], logprobs=[], versions=[], finish_reason="abort"), None
         try:
             traj = assemble(prompt.prompt_ids, calls)
         except Inconsistent as e:
             traj, err = e.traj, err or AgentError("inconsistent", str(e))
         traj.env_s = max(0.0, time.perf_counter() - t0 - sum(c.seconds for c in calls))
-        self.gen.stats["env/step_s_sum"] += traj.env_s
-        self.gen.stats["env/steps"] += 1
+        self.turns.stats["env/step_s_sum"] += traj.env_s
+        self.turns.stats["env/steps"] += 1
         finish = calls[-1].finish_reason if calls and err is None else "stop"
         if err is not None:
-            self.gen.stats[f"env/errors_{err.kind}"] += 1
+            self.turns.stats[f"env/errors_{err.kind}"] += 1
             log.warning("agent session %s failed: %s", sid, err.detail)
             return traj.sample(finish), RewardResult(
-                score=self.lim.on_error, error=f"env_{err.kind}", detail=err.detail
+                score=self.on_error, error=f"env_{err.kind}", detail=err.detail
             )
         score, extras = reward
         traj.tool_calls = int(extras.pop("tool_calls", 0))
@@ -224,7 +217,7 @@ class AgentEpisode:
         deadline = time.monotonic() + self.timeout_s
         try:
             while not task.done():
-                if self.gen.freezing:
+                if self.turns.freezing:
                     raise AgentError("frozen", "a checkpoint froze the rollout")
                 left = deadline - time.monotonic()
                 if left <= 0:
