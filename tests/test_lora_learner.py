@@ -28,7 +28,7 @@ KEYS = [
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from app.trainer.learner import param_name
+    from app.trainer.model_build import param_name
 
     return {
         param_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -40,7 +40,8 @@ def _rank(rank: int, world: int, port: int, path: str, out: str, q) -> None:
     import torch.distributed as dist
 
     from app.trainer import checkpoint, lora
-    from app.trainer.learner import Learner, param_name
+    from app.trainer.learner import Learner
+    from app.trainer.model_build import param_name
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -11,7 +11,8 @@ import torch
 
 from app.config import ConfigError, load_config
 from app.records import Batch
-from app.trainer.learner import Learner, flatten_batch
+from app.trainer.batch_tensors import flatten_batch
+from app.trainer.learner import Learner
 from app.trainer.minibatch import merge_updates, mini_batches
 from app.trainer.packing import plan_micro_batches
 from tests.test_packed_step import _batch as _two_groups

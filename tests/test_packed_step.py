@@ -16,7 +16,9 @@ import torch
 from app.config import load_config
 from app.records import Batch, Group, Sample
 from app.trainer import grpo
-from app.trainer.learner import Learner, Row, collate, response_logprobs, row_values, scored_logprobs
+from app.trainer.batch_tensors import Row, collate, row_values
+from app.trainer.learner import Learner
+from app.trainer.logprobs import response_logprobs, scored_logprobs
 from app.trainer.packing import collate_packed, plan_micro_batches
 
 VOCAB = 40
@@ -163,7 +165,7 @@ def _rows() -> list[Row]:
 
 
 def test_packed_forward_matches_padded(tmp_path):
-    from app.trainer.learner import build_fsdp_model
+    from app.trainer.model_build import build_fsdp_model
 
     path = _model_dir(tmp_path)
     rows = _rows()
@@ -344,7 +346,7 @@ def test_packed_forward_builds_no_mask(tmp_path, arch, monkeypatch):
     (a host synchronisation) nor the mask function (a [T, T] mask) runs."""
     from transformers import masking_utils
 
-    from app.trainer.learner import build_fsdp_model
+    from app.trainer.model_build import build_fsdp_model
     from app.trainer.packing import ATTN_NAME
 
     model = build_fsdp_model(
@@ -499,7 +501,7 @@ def test_masked_loss_by_hand(tmp_path):
     cfg = load_config(None, ["train.lr=0.01", "algorithm.correction=none", *VARIANTS["padded_full"]])
     learner = Learner(cfg, path, torch.device("cpu"))
     batch = _env_batch(True)
-    from app.trainer.learner import flatten_batch
+    from app.trainer.batch_tensors import flatten_batch
 
     rows = flatten_batch(batch, True)
     with torch.no_grad():

@@ -10,7 +10,9 @@ import torch
 from app.config import load_config
 from app.records import Batch, Group, Sample
 from app.tasks import tiny
-from app.trainer.learner import Learner, collate, flatten_batch, staleness
+from app.trainer.batch_metrics import staleness
+from app.trainer.batch_tensors import collate, flatten_batch
+from app.trainer.learner import Learner
 
 
 def _batch(answer_tok: int, wrong_tok: int, eos: int, prompt: list[int], groups: int = 4) -> Batch:

@@ -1,6 +1,13 @@
 """The trainer's parts, one small module each; the loop itself is app/train_loop.py.
 
-    learner.py       `Learner`: this rank's FSDP2 shard of the policy, its optimizer and one step; batch metrics
+    learner.py       `Learner`: this rank's FSDP2 shard of the policy, its optimizer and one step
+    model_build.py   the policy built and sharded with FSDP2 (`fully_shard`), LoRA frozen in
+    batch_tensors.py a batch's groups as rows and micro-batches (`Row`, `collate`, `split_rows`)
+    logprobs.py      the scored forward: response log-probs and entropies of a micro-batch
+    update_metrics.py one update's sums over micro-batches and ranks, and its metrics
+    batch_metrics.py the batch's own metrics (rewards, lengths, staleness), torch-free
+    hf_export.py     the final model (or LoRA adapter) as an HF folder
+    push_gather.py   full tensors of many FSDP2 parameters in one all-gather (the push's gather)
     grpo.py          pure GRPO math: advantages, clipped loss, KL estimators, corrections
     losses.py        the policy-loss registry `LOSSES` (`algorithm.correction`)
     packing.py       packed micro-batches (sequences side by side, varlen attention)

@@ -1,5 +1,5 @@
 """What the trainer ranks share and how rank 0 waits on the other roles (their handles: `Actors`, looked up
-by name in app/trainer/learner.py)."""
+by name: `lookup_actors`)."""
 
 from __future__ import annotations
 

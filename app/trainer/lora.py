@@ -9,7 +9,7 @@ matrices `lora_A` (r x in) and `lora_B` (out x r):
 
 `B` starts at zero (PEFT's init), so a freshly adapted model computes exactly what its base computes. The base is
 frozen; only `lora_A`/`lora_B` train. `disabled(model)` zeroes the adapter path for a block (the KL reference is
-the base model, with no second copy). Adapters are applied before FSDP2's `fully_shard` (app/trainer/learner.py).
+the base model, with no second copy). Adapters are applied before FSDP2's `fully_shard` (app/trainer/model_build.py).
 
 On disk an adapter is PEFT's layout, which vLLM's `LoRARequest(lora_path=...)` and `peft.PeftModel` load:
 `adapter_config.json` and `adapter_model.safetensors` whose keys are

@@ -141,7 +141,7 @@ def plan_micro_batches(
 
 
 def collate_packed(rows: list[Any], device: torch.device, mode: str = "auto") -> dict[str, Any]:
-    """One packed micro-batch of `Row`s (app/trainer/learner.py): model inputs and response-aligned grids.
+    """One packed micro-batch of `Row`s (app/trainer/batch_tensors.py): model inputs and response-aligned grids.
 
     Model inputs: `input_ids` and `position_ids` ``[1, T]`` (T = total tokens), `packed` (`PackedSeqs`).
     Scoring: `score_idx` ``[R]`` (positions in the packed row whose next token is a response token),

@@ -2,18 +2,22 @@
 
 FSDP2 shards each parameter on dim 0 the way `torch.chunk` splits it across the W ranks: rank r holds rows
 [r*c, min((r+1)*c, n)) with c = ceil(n / W), possibly none. Gathering each parameter with `full_tensor()` is one
-collective per parameter: a 1.5B push on two ranks spent 147 ms in 340 all-gathers (docs/benchmarks.md). Here
+collective per parameter (340 of them for a 1.5B model on two ranks). Here
 every rank packs its shards, each padded to c rows and cast to the pushed dtype, into one flat buffer; one
 `all_gather_into_tensor` gives every rank every shard, and each full tensor is cut out of the (W, total) grid.
+`gather_params` is the trainer's entry: named parameters in, full tensors out (those not sharded that way, one
+by one).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,50 @@ def gather_sharded(
     gathered = torch.empty(world * flat.numel(), dtype=dtype, device=flat.device)
     all_gather(gathered, flat)
     return unpack_gathered(gathered, pieces, world)
+
+
+def _dim0_sharded(p: Any) -> bool:
+    """An FSDP2 parameter sharded on dim 0 over a 1-D mesh of several ranks (what `gather_sharded` gathers)."""
+    placements = getattr(p, "placements", None)
+    if not placements or len(placements) != 1 or p.device_mesh.ndim != 1 or p.device_mesh.size() < 2:
+        return False
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placements[0], Shard) and placements[0].dim == 0
+
+
+def gather_params(
+    params: Mapping[str, Any], names: list[str], dtype: torch.dtype, cast: bool = True
+) -> list[torch.Tensor]:
+    """Full tensors of the parameters `params[n]` for `names` (collective: every rank calls this in lock-step),
+    in `dtype` (`cast=False`: as the trainer holds them; a push's pack casts while it copies).
+
+    Under no_grad a DTensor's `to_local()` is its local tensor, with no dispatch (a `detach()` first went
+    through DTensor's dispatcher for every tensor). On several ranks the dim-0 shards of all `names` come in one
+    all-gather (`gather_sharded`), in `dtype`."""
+    out: dict[str, torch.Tensor] = {}
+    sharded = [n for n in names if _dim0_sharded(params[n])]
+    sharded = [n for n in sharded if params[n].device_mesh == params[sharded[0]].device_mesh]
+    with torch.no_grad():
+        if sharded:  # one all-gather for all of them, already in the pushed dtype
+            mesh = params[sharded[0]].device_mesh
+            full = gather_sharded(
+                [params[n].to_local() for n in sharded],
+                [tuple(params[n].shape) for n in sharded],
+                mesh.size(),
+                dtype,
+                lambda o, i: dist.all_gather_into_tensor(o, i, group=mesh.get_group()),
+            )
+            out.update(zip(sharded, full, strict=True))
+        for n in names:
+            if n in out:
+                continue
+            p = params[n]
+            if not hasattr(p, "full_tensor"):
+                t = p.detach()
+            elif p.device_mesh.size() == 1:  # one rank holds it whole: no all-gather
+                t = p.to_local()
+            else:
+                t = p.full_tensor()
+            out[n] = t.to(dtype) if cast else t
+    return [out[n] for n in names]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.records import Batch
-from app.trainer.learner import batch_metrics, staleness
+from app.trainer.batch_metrics import batch_metrics, staleness
 from app.weights.records import PushStats
 
 

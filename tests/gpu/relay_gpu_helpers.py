@@ -181,7 +181,8 @@ def gpu_config(*extra: str) -> Any:
 def train_rank(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str, steps: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from app.trainer.learner import Learner, param_name
+    from app.trainer.learner import Learner
+    from app.trainer.model_build import param_name
 
     device = use_device(rank)
     dist.init_process_group(
