@@ -13,7 +13,13 @@ otherwise; nothing here imports vLLM or Ray at import time.
     ack_board.py  acknowledgements through the epoch's own TCPStore, each vLLM worker's as soon as it loaded
                   (`answered`), made into each replica's (`replica_acks`): the trainer's short way back
     staging.py    the staged receive: workers receive while the engine generates, then copy under the pause
+    epoch.py      `TrainerEpoch`: the trainer's end of the join (forming an epoch with the hub) and where the
+                  current epoch's push acknowledgements come from
+    loaders.py    how a replica loads a push (`PausedLoad`, `StagedLoad`), the drain of `partial=off`
+                  (`GenerationGate`); the engine through app/vllm/engine.py
+    adapters.py   `ReplicaAdapters`: a replica's LoRA adapters, received, added, used and removed
     control.py    `RunControl`: clean stop, trainer heartbeat, abort of in-flight generations (a Ray actor)
+    aborts.py     `ReplicaControl`: a replica's end of the run control, its abort loop
     shared.py     what the hub and the run control share: waits for a change, calls to an actor or object
     actors.py     both as named Ray actors of one run (Ray)
 

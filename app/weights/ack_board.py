@@ -20,7 +20,9 @@ deadline the hub's answer decides. A replica that cannot reach the store acknowl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import pickle
 import time
@@ -28,11 +30,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from app.weights.records import Ack
+from app.weights.records import Ack, GroupInfo
 
 log = logging.getLogger("app.sync")
 
 SLICE_S = 2.0  # how long one wait on the store lasts before the hub is asked whether it already answered
+POSTER_CONNECT_S = 2.0  # a replica's connection to the epoch's store for its acknowledgements, at most
 
 
 def ack_key(epoch: int, version: int, replica_id: str) -> str:
@@ -160,6 +163,52 @@ class AckPoster:
                 else {"ok": False, "error": ack.error or "no answer from the worker"}
             )
             post_worker_answer(self.store, self.epoch, version, rank, answer)
+
+    @classmethod
+    async def connect(cls, g: GroupInfo, replica_id: str) -> AckPoster | None:
+        """A client of epoch `g`'s store for replica `replica_id`'s acknowledgements; None (the hub alone) where
+        the trainer's store cannot be reached from here within `POSTER_CONNECT_S` (the workers have just joined
+        through it, so a healthy connection takes milliseconds; the weights loop must not wait longer)."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(cls, g.host, g.port, g.epoch, g.timeout_s), timeout=POSTER_CONNECT_S
+            )
+        except Exception as e:
+            log.warning(
+                "replica %s: the weight group's store at %s:%d is unreachable (%s); acknowledging through the hub "
+                "alone",
+                replica_id,
+                g.host,
+                g.port,
+                f"no connection within {POSTER_CONNECT_S:.0f}s"
+                if isinstance(e, asyncio.TimeoutError)
+                else repr(e),
+            )
+            return None
+
+    async def answer(
+        self,
+        version: int,
+        replica_id: str,
+        ack: Ack,
+        worker_ranks: list[int],
+        results: list[dict[str, Any]] | None,
+        timeout_s: float,
+    ) -> bool:
+        """Replica `replica_id`'s answer `ack` to push `version`, within `timeout_s`: where its workers (at
+        `worker_ranks`) answer themselves, only what they did not post (every worker's failure where the load
+        failed before their answers, a post that failed). False where the post failed (logged)."""
+        post: Any = functools.partial(self.post, version, replica_id, ack)
+        if worker_ranks:
+            if results is not None and all(r.get("posted") for r in results):
+                return True  # the trainer has every answer already
+            post = functools.partial(self.post_workers, version, worker_ranks, ack, results)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(post), timeout=timeout_s)
+        except Exception as e:
+            log.warning("replica %s: acknowledging v%d into the store failed: %r", replica_id, version, e)
+            return False
+        return True
 
 
 def collect(

@@ -2,7 +2,7 @@
 
 Kept apart from the weight plane (app/weights/hub.py): a stop or an abort must reach the roles even while a
 push is stuck. Run as an async Ray actor named `control_name(prefix)`; replicas long-poll `next_control`
-(app/sync.py) and acknowledge each abort request with `ack`.
+(app/weights/aborts.py `ReplicaControl`) and acknowledge each abort request with `ack`.
 
 A replica is expected to answer an abort when it polled within `stale_s` seconds and has not detached (a
 replica handling a push still polls: its abort waits for the push to finish, then answers).

@@ -3,11 +3,12 @@ receiver's own two-rank group, for replicas that share a GPU.
 
 NCCL refuses a communicator with two ranks on one device, so the one-group `broadcast` cannot reach two vLLM
 engines on one GPU. Yet two engines on a rollout GPU generate about 1.5x the tokens of one where an engine's
-decode steps are bound by its own processes' CPU work (docs/benchmarks.md, session 28). Here each receiver
-rank r of the epoch forms a group with rank 0 alone (`relay-weights/{epoch}/pair{r}`, on the epoch's one
-TCPStore), and rank 0 starts one broadcast of a bucket per pair: the trainer sends the bytes once per receiver
-(2 x 3.1 GB at 1.5B, two engines), every pair on its own NCCL stream. Everything else is `broadcast`'s walk:
-double-buffered buckets, checksums in flight, the receive queued behind the transfer, one deadline per pair.
+decode steps are bound by its own processes' CPU work (docs/benchmarks.md, "two engines on one GPU"). Here
+each receiver rank r of the epoch forms a group with rank 0 alone (`relay-weights/{epoch}/pair{r}`, on the
+epoch's one TCPStore), and rank 0 starts one broadcast of a bucket per pair: the trainer sends the bytes once
+per receiver (2 x 3.1 GB at 1.5B, two engines), every pair on its own NCCL stream. Everything else is
+`broadcast`'s walk: double-buffered buckets, checksums in flight, the receive queued behind the transfer, one
+deadline per pair.
 """
 
 from __future__ import annotations

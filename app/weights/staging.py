@@ -1,6 +1,6 @@
 """A staged receive: one push received off the engine's thread, into staging buffers, and loaded later.
 
-The paused receive (app/sync.py `ReplicaSync._load_weights`) holds generation for the whole transfer and load.
+The paused receive (app/weights/loaders.py `PausedLoad`) holds generation for the whole transfer and load.
 A staged receive (`sync.staged_receive`) runs the transfer in a thread of the vLLM worker while the engine keeps
 generating with the old weights: every pushed tensor is copied into a staging buffer of its own (kept from
 push to push: one more copy of the pushed weights in the worker's memory). The thread tells the replica it is
