@@ -72,7 +72,7 @@ def delay_reward(response: str, answer: str) -> float:
 def sandbox_reward(response: str, answer: str) -> dict[str, float]:
     """The cost of a real code reward: sandboxed runs of a program on `sandbox_tests` tests (a code task's
     hidden tests; up to `test_parallel` of them at once, as `code_reward` runs them), then exact match."""
-    from app.rewards.sandbox import run_tests
+    from app.rewards.code import run_tests
 
     p = _params()
     n = int(p["sandbox_tests"])

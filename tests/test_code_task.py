@@ -6,7 +6,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from app.rewards.sandbox import CODE_LIMITS, code_reward
+from app.rewards.code import CODE_LIMITS, code_reward
 from app.rollout.prompt_files import load_rows
 from app.tasks import code as code_task
 from app.tasks.code import ensure_code_task, make_code_problems, make_code_rows, write_code_task

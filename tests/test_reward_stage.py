@@ -14,7 +14,7 @@ from app.records import Batch, Group, Sample
 from app.rewards import math_reward, resolve_reward_fn
 from app.rewards.pool import STARTUP_TIMEOUT_S, RewardPool, RewardProcesses, RewardWorker
 from app.rewards.styles import RewardInput
-from app.trainer.learner import batch_metrics
+from app.trainer.batch_metrics import batch_metrics
 
 
 def sample(response: str, answer: str, data_source: str = "x") -> RewardInput:
@@ -23,7 +23,7 @@ def sample(response: str, answer: str, data_source: str = "x") -> RewardInput:
 
 
 # The reward functions of these tests live in tests/test_rewards.py: the scoring processes import them, and
-# this module imports torch (app.trainer.learner), which would cost each process seconds to start.
+# this module's imports (app.records, the config) would cost each process time to start.
 TOWERS = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{40}}}", "\\boxed{10^{10^7}}"]
 
 

@@ -302,12 +302,24 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def warm_pids(procs: RewardProcesses) -> set[int]:
+    """The idle processes' pids once the spare (and any replacement) under way is up."""
+    deadline = time.monotonic() + 120
+    while True:
+        with procs.lock:
+            if procs.spares_pending == 0:
+                return {p.proc.pid for p in procs.idle}
+        assert time.monotonic() < deadline, "the spare scoring process did not start"
+        time.sleep(0.02)
+
+
 def test_processes_score_sub_scores_async_and_printing_rewards(user_module):
     procs = RewardProcesses(f"{user_module}:reward", 5.0, -1.0)
     try:
         assert procs.score(sample("ab", "ab", "x")) == RewardResult(1.0, None, "", {"length": 2.0})
-        pid = procs.idle[0].proc.pid
-        assert procs.score(sample("ab", "cd", "x")).score == 0.0 and procs.idle[0].proc.pid == pid  # reused
+        warm = warm_pids(procs)  # the one that scored, and a spare
+        assert len(warm) == 2
+        assert procs.score(sample("ab", "cd", "x")).score == 0.0 and warm_pids(procs) == warm  # reused
     finally:
         procs.close()
     for spec, want in [
@@ -329,14 +341,14 @@ def test_a_hanging_reward_is_killed_at_its_deadline(how):
     procs = RewardProcesses("tests.test_rewards:hostile", 0.5, -1.0)
     try:
         assert procs.score(sample("ok", "", "x")).score == 1.0  # process started, function resolved: warm
-        pid = procs.idle[0].proc.pid
+        warm = warm_pids(procs)
         t0 = time.monotonic()
         res = procs.score(sample(how, "", "x"))
         elapsed = time.monotonic() - t0
         assert (res.score, res.error) == (-1.0, "timeout"), res
         assert elapsed < 0.5 + 1.0
-        assert list(procs.killed) == [pid]
-        assert cpu_seconds(pid) is None  # killed and reaped: it burns nothing
+        (pid,) = procs.killed
+        assert pid in warm and cpu_seconds(pid) is None  # killed and reaped: it burns nothing
         assert procs.score(sample("ok", "", "x")).score == 1.0  # a replacement scores the next one
     finally:
         procs.close()
@@ -347,7 +359,7 @@ def test_a_reward_that_kills_its_process_is_a_crash_and_the_next_one_scores():
     try:
         res = procs.score(sample("", "", "x"))
         assert (res.score, res.error) == (-1.0, "crash"), res
-        assert procs.idle == []
+        assert all(p.proc.poll() is None for p in procs.idle)  # the dead one is not kept (a spare may be)
         assert procs.score(sample("", "", "x")).error == "crash"  # a fresh process each time, no hang
     finally:
         procs.close()
@@ -365,7 +377,7 @@ def test_what_a_reward_prints_is_capped_and_the_rest_counted(caplog):
         assert (procs.output_dropped, procs.output_capped) == (res.output_dropped, 1)
         logged = "".join(r.getMessage() for r in caplog.records)
         assert "from C" in logged and "xxxx" in logged and len(logged) < 2 * OUTPUT_CAP_BYTES
-        assert len(procs.idle) == 1
+        assert len(warm_pids(procs)) == 2  # kept, beside the spare
         assert procs.score(sample("", "", "x")).output_dropped == res.output_dropped  # counted per reward
         assert (procs.output_dropped, procs.output_capped) == (2 * res.output_dropped, 2)
     finally:
@@ -378,11 +390,11 @@ def test_a_reward_over_its_memory_limit_scores_on_error_as_oom():
     procs = RewardProcesses("tests.test_rewards:hog", 10.0, -1.0, max_memory_mb=256)
     try:
         assert procs.score(sample("", "64", "x")).score == 1.0  # under the limit
-        pid = procs.idle[0].proc.pid
+        warm = warm_pids(procs)
         res = procs.score(sample("", "1024", "x"))
         assert (res.score, res.error) == (-1.0, "oom"), res
         assert "MemoryError" in res.detail and "reward.max_memory_mb" in res.detail
-        assert cpu_seconds(pid) is None  # killed and reaped
+        assert len([p for p in warm if cpu_seconds(p) is None]) == 1  # the one that ran it: killed, reaped
         assert procs.score(sample("", "64", "x")).score == 1.0  # a replacement scores the next one
     finally:
         procs.close()
@@ -405,7 +417,7 @@ def test_reward_max_memory_mb_is_a_validated_key_the_pool_applies():
 
 def test_auto_reward_routes_code_rows_to_the_sandbox():
     from app.rewards import resolve_reward_fn
-    from app.rewards.sandbox import code_reward
+    from app.rewards.code import code_reward
 
     assert resolve_reward_fn("auto", "code") is code_reward
     assert resolve_reward_fn("code", "anything") is code_reward

@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 
 from app.rewards import sandbox
-from app.rewards.sandbox import Isolation, RunResult, SandboxLimits, code_reward, extract_program, run_program
+from app.rewards.code import CODE_BUDGET_S, CODE_LIMITS, code_reward, extract_program, run_tests
+from app.rewards.sandbox import RunResult, SandboxLimits, run_program
+from app.rewards.sandbox_isolation import Isolation
 
 FAST = SandboxLimits(cpu_s=1.0, wall_s=5.0)  # busy loops stop at 1 s of CPU; wall: room for load
 # programs that must finish ("ok") however loaded the machine: beside the integration suite an interpreter
@@ -87,7 +89,7 @@ def test_isolation_is_probed_and_described():
     assert "netns=" in iso.describe() and "rootfs=" in iso.describe() and "procs=" in iso.describe()
     if os.geteuid() == 0:
         assert iso.uid is not None or not iso.prefix  # root always drops to an unprivileged uid
-        assert iso.uid_pool and iso.process_budget() == "per-run"  # root can always lease uids
+        assert iso.uid_pool and iso.process_budget() == "per-run"  # root can always claim uids
         if iso.mountns:
             assert iso.rootfs, iso.describe()  # root with a mount namespace can always pivot_root
     assert plan() is iso  # probed once, cached
@@ -322,7 +324,7 @@ def test_a_fork_bomb_does_not_starve_a_concurrent_sandbox():
         "```python\nimport threading\n\ndef main():\n    a, b = map(int, input().split())\n    print(a + b)\n\n"
         "threading.stack_size(2**24)\nt = threading.Thread(target=main)\nt.start()\nt.join()\n```"
     )
-    limits = replace(sandbox.CODE_LIMITS, cpu_s=2.0, wall_s=6.0)  # the same process budget as code_reward
+    limits = replace(CODE_LIMITS, cpu_s=2.0, wall_s=6.0)  # the same process budget as code_reward
     with ThreadPoolExecutor(2) as pool:
         bombing = pool.submit(run_program, bomb, "", limits)
         time.sleep(1.5)  # the bomb holds all its processes by now
@@ -424,7 +426,7 @@ def test_code_reward_names_the_first_failure(response, kind):
     1 s, or the wall clock); the others get the wall-clock headroom a loaded machine needs to start the
     sandbox's interpreter (make test runs these beside the integration tests on 2 cores, where a 2 GiB
     allocation once reached the 4 s wall clock and was named a timeout)."""
-    limits, budget = sandbox.CODE_LIMITS, sandbox.CODE_BUDGET_S
+    limits, budget = CODE_LIMITS, CODE_BUDGET_S
     if kind != "timeout":
         limits, budget = replace(limits, wall_s=60.0), 60.0
     t0 = time.monotonic()
@@ -447,15 +449,15 @@ def test_a_responses_tests_run_at_once_and_keep_their_order(monkeypatch):
     barrier = threading.Barrier(4, timeout=60)
     real = sandbox.run_program
 
-    def together(code, stdin="", limits=sandbox.CODE_LIMITS):
+    def together(code, stdin="", limits=CODE_LIMITS):
         barrier.wait()
         return real(code, stdin, limits)
 
-    monkeypatch.setattr(sandbox, "run_program", together)
+    monkeypatch.setattr("app.rewards.code.run_program", together)
     program = "n = int(input())\nprint(1 // n if n != 7 else 'seven')"
     tests = [{"input": "1\n", "output": "1"}, {"input": "0\n", "output": "0"}]
     tests += [{"input": "7\n", "output": "7"}, {"input": "2\n", "output": "0"}]
-    checked = sandbox.run_tests(program, tests, parallel=4)
+    checked = run_tests(program, tests, parallel=4)
     assert [outcome for outcome, _ in checked] == ["pass", "error", "wrong_answer", "pass"]
     assert "ZeroDivisionError" in checked[1][1].stderr
 

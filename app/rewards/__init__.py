@@ -18,7 +18,8 @@ The reward stage, in this package:
     guard.py     stops a run whose rewards fail on every one of its first samples
     check.py     one real call of each user function on the data's first row, before Ray starts
     pool.py      the scoring processes: killable, with deadlines; on reward workers when there are any
-    sandbox.py   the code sandbox that runs untrusted programs (`code_reward`)
+    code.py      the code-task reward: a response's program on its hidden tests (`code_reward`)
+    sandbox.py   the code sandbox that runs untrusted programs (with sandbox_isolation.py, sandbox_init.py)
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from app.rewards.code import code_reward
 from app.rewards.humaneval import humaneval_reward
-from app.rewards.sandbox import code_reward
 from app.rewards.styles import InvalidReturn, RewardCall, RewardInput, SignatureError
 
 log = logging.getLogger(__name__)
@@ -159,10 +160,12 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     """The reward function named by `spec` (the `reward.fn` setting).
 
     `exact_match`, `gsm8k`, `math`, `auto` (gsm8k when `data_source` contains "gsm8k", math for math-like
-    sources (math, aime, amc, olympiad), the sandbox for `code` and `humaneval`, else exact_match), or a
-    dotted path `pkg.module:function` / `pkg.module.function` to a user function in one of the styles of
-    app/rewards/styles.py. Raises ValueError naming the spec and the fix when it cannot be resolved, and
-    SignatureError (a ValueError) naming the supported styles when its parameters fit none of them.
+    sources (math, aime, amc, olympiad), the sandbox for `code` and `humaneval`, else exact_match), a
+    dotted path `pkg.module:function` / `pkg.module.function`, a file `path/reward.py:function` (bare
+    `path/reward.py`: its `compute_score`, as verl) or `pickle:path` (app/plugins.py) to a user function in
+    one of the styles of app/rewards/styles.py. Raises ValueError naming the spec and the fix when it cannot
+    be resolved, and SignatureError (a ValueError) naming the supported styles when its parameters fit none
+    of them.
     """
     spec = (spec or "").strip()
     if spec == "auto":
@@ -180,12 +183,16 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
         return BUILTINS[spec]
     hint = (
         f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', 'code', "
-        "'humaneval' or a dotted path 'pkg.module:function' to a function importable from the working "
-        "directory (PYTHONPATH)"
+        "'humaneval', a dotted path 'pkg.module:function' to a function importable from the working "
+        "directory (PYTHONPATH), or a file 'path/to/reward.py:function' (verl's custom_reward_function)"
     )
-    from app.plugins import PluginError, resolve
+    from app.plugins import PICKLED, PluginError, is_file_spec, resolve
 
-    if ":" in spec:
+    if spec.startswith(PICKLED):
+        module_name, attr = "", spec
+    elif is_file_spec(spec):  # verl's custom_reward_function.path, its function `compute_score` by default
+        module_name, _, attr = spec.rpartition(":") if ":" in spec else (spec, ":", "compute_score")
+    elif ":" in spec:
         module_name, _, attr = spec.partition(":")
     else:  # `pkg.module.function`, the older form: the last dot
         module_name, _, attr = spec.rpartition(".")

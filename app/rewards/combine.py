@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import PurePath
 
 from app.rewards import RewardResult
 
@@ -42,11 +43,44 @@ class RewardSpec:
 
 def spec_name(spec: str) -> str:
     """The name a function is reported under: `gsm8k` -> gsm8k, `pkg.mod:compute_score` -> compute_score,
-    `pkg.mod:Scorer.call` -> Scorer.call, `pkg.mod.fn` (the older dotted form) -> fn."""
+    `pkg.mod:Scorer.call` -> Scorer.call, `pkg.mod.fn` (the older dotted form) -> fn, `dir/reward.py:fn` ->
+    fn, `dir/reward.py` -> compute_score (verl's default), `pickle:dir/name.pkl` -> name."""
     spec = spec.strip()
+    if spec.startswith("pickle:"):
+        return PurePath(spec.removeprefix("pickle:")).stem
+    if spec.partition(":")[0].endswith(".py"):
+        return spec.rpartition(":")[2] if ":" in spec else "compute_score"
     if ":" in spec:
         return spec.partition(":")[2]
     return spec.rpartition(".")[2] if "." in spec else spec
+
+
+def qualified_name(spec: str, depth: int = 1) -> str:
+    """`spec_name` after the last `depth` names of its module or file, to tell same-named functions apart
+    (verl names every reward `compute_score`): `a/math_rm.py:compute_score` -> math_rm.compute_score (depth
+    2: a.math_rm.compute_score), `pkg.judge:score` -> judge.score (depth 2: pkg.judge.score)."""
+    spec = spec.strip()
+    if spec.startswith("pickle:"):
+        return spec_name(spec)
+    if spec.partition(":")[0].endswith(".py"):
+        path = PurePath(spec.rpartition(":")[0] if ":" in spec else spec)
+        parts = [*path.parent.parts, path.stem]
+    else:
+        parts = (spec.partition(":")[0] if ":" in spec else spec.rpartition(".")[0]).split(".")
+    where = ".".join(p for p in parts[-depth:] if p not in ("", "/"))
+    return f"{where}.{spec_name(spec)}" if where else spec_name(spec)
+
+
+def _names(specs: Sequence[str]) -> list[str]:
+    """Each function's reported name: its own, or as many of its module's or file's names as it takes to
+    tell it from the others of the same name."""
+    plain = names = [spec_name(s) for s in specs]
+    for depth in (1, 2, 3):
+        dup = {n for n in names if names.count(n) > 1}
+        if not dup:
+            return names
+        names = [qualified_name(s, depth) if n in dup else n for s, n in zip(specs, names, strict=True)]
+    return names if len(set(names)) == len(names) else plain  # the same function twice: named plainly
 
 
 def reward_specs(fn: str, fns: Sequence[str], weights: Sequence[float]) -> list[RewardSpec]:
@@ -66,11 +100,11 @@ def reward_specs(fn: str, fns: Sequence[str], weights: Sequence[float]) -> list[
             f"{ws}: {len(ws)} weights for {len(specs)} reward functions {specs}; give one weight per "
             "function (or none: all 1.0)",
         )
+    names = _names(specs)
     out: list[RewardSpec] = []
-    for i, (s, w) in enumerate(zip(specs, ws, strict=True)):
+    for i, (s, w, name) in enumerate(zip(specs, ws, names, strict=True)):
         if not math.isfinite(w):
             raise SpecError(f"reward.weights[{i}]", f"{w}: a weight must be a finite number")
-        name = spec_name(s)
         if name in RESERVED or name.startswith(RESERVED_PREFIXES):
             raise SpecError(
                 "reward.fns" if fns else "reward.fn",
@@ -81,8 +115,8 @@ def reward_specs(fn: str, fns: Sequence[str], weights: Sequence[float]) -> list[
             first = next(o.spec for o in out if o.name == name)
             raise SpecError(
                 "reward.fns",
-                f"two functions are named {name!r} ({first!r} and {s!r}); sub-scores are reported by name: "
-                "import one under another name",
+                f"two functions are named {name!r} ({first!r} and {s!r}), also after their module's or "
+                "file's name; sub-scores are reported by name: import one under another name",
             )
         out.append(RewardSpec(spec=s, name=name, weight=w))
     return out

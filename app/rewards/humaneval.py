@@ -27,7 +27,8 @@ import textwrap
 import warnings
 from typing import Any
 
-from app.rewards.sandbox import SandboxError, SandboxLimits, extract_program, run_program
+from app.rewards.code import extract_program
+from app.rewards.sandbox import SandboxError, SandboxLimits, run_program
 
 HUMANEVAL_LIMITS = SandboxLimits(cpu_s=3.0, wall_s=6.0)
 """Limits of one program: 3 s of CPU as OpenAI's harness allows (a canonical solution with its tests takes

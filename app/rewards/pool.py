@@ -40,10 +40,8 @@ import json
 import logging
 import math
 import os
-import resource
 import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -54,10 +52,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from app.rewards import RewardResult, evaluate, resolve_reward_fn, warm_up
+from app.rewards import RewardResult, resolve_reward_fn
 from app.rewards.combine import RewardSpec, combine, reward_specs, spec_name
 from app.rewards.guard import FailFast
-from app.rewards.styles import RewardCall, RewardInput
+from app.rewards.scoring_process import HEADER, read_exact
+from app.rewards.styles import RewardInput
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +64,7 @@ WORKER_MARGIN_S = 30.0  # beyond reward.timeout_s before a worker itself counts 
 STARTUP_TIMEOUT_S = 120.0
 """Deadline to start a scoring process and import a reward's module (sympy, a user's torch import) on a
 loaded machine; not counted against `reward.timeout_s`."""
-_HEADER = struct.Struct("!I")
-_CHILD = "from app.rewards.pool import child_main; child_main()"
-_PR_SET_PDEATHSIG = 1
+_CHILD = "from app.rewards.scoring_process import child_main; child_main()"
 OUTPUT_CAP_BYTES = 4096
 """What is kept (and logged) of one reward's output, stdout and stderr together; the rest is dropped."""
 _DRAIN_READS = 16  # reads of the output pipe per drain: a reward printing without end cannot stall us
@@ -100,7 +97,7 @@ class _Process:
     def send(self, msg: dict[str, Any]) -> None:
         data = json.dumps(msg, default=str).encode()  # a row's extra_info may hold dates, bytes...
         assert self.proc.stdin is not None
-        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+        self.proc.stdin.write(HEADER.pack(len(data)) + data)
 
     def recv(self, deadline: float) -> dict[str, Any] | None:
         """The next reply, or None when `deadline` (monotonic) passes first; EOFError if the process died.
@@ -109,10 +106,10 @@ class _Process:
         fd = self.proc.stdout.fileno()
         if not self._wait_reply(fd, deadline):
             return None
-        head = _read_exact(fd, _HEADER.size, deadline)
+        head = read_exact(fd, HEADER.size, deadline)
         if head is None:
             return None
-        body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
+        body = read_exact(fd, HEADER.unpack(head)[0], deadline)
         return None if body is None else json.loads(body)
 
     def _wait_reply(self, fd: int, deadline: float) -> bool:
@@ -166,23 +163,6 @@ class _Process:
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()
-
-
-def _read_exact(fd: int, n: int, deadline: float) -> bytes | None:
-    """`n` bytes from `fd`, or None at `deadline`; EOFError when the writer is gone."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    chunks: list[bytes] = []
-    while n > 0:
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(None if math.isinf(left) else left * 1000):
-            return None
-        chunk = os.read(fd, n)
-        if not chunk:
-            raise EOFError("the scoring process exited")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
 
 
 class RewardProcesses:
@@ -357,80 +337,6 @@ class RewardProcesses:
             procs, self.idle = self.idle, []
         for p in procs:
             p.kill()
-
-
-def _read_msg(fd: int) -> dict[str, Any] | None:
-    head = _read_exact(fd, _HEADER.size, math.inf)
-    return None if head is None else json.loads(_read_exact(fd, _HEADER.unpack(head)[0], math.inf) or b"")
-
-
-def _die_with_parent(ppid: int) -> None:
-    """SIGKILL this process when the thread that started it exits (the pool's threads live as long as the
-    pool): a scorer must not outlive its rollouter or worker, least of all one stuck in a computation."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != ppid:  # the parent died before the prctl
-        os._exit(0)
-
-
-def _limit_memory(max_mb: int | None) -> None:
-    """This process's RLIMIT_DATA (soft and hard: the reward cannot raise it): `max_mb` MiB, None: none.
-
-    RLIMIT_DATA, not RLIMIT_AS: it counts the heap and private writable mappings (what a reward allocates),
-    not the address space of the shared libraries a reward's imports map (torch's are gigabytes). An
-    allocation past it fails with MemoryError. Programs the code sandbox starts from here inherit it,
-    under their own, smaller RLIMIT_AS (app.rewards.sandbox)."""
-    if max_mb is None:
-        return
-    limit = int(max_mb) * 2**20
-    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-
-
-def _flush_output() -> None:
-    """Push what the reward printed into the output pipe before the reply: the parent reads it with it."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-
-
-def child_main() -> None:
-    """The scoring process: resolve reward functions per data source, evaluate one request at a time."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    proto_in, proto_out = os.dup(0), os.dup(1)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(2, 1)  # what a reward prints goes to the output pipe (capped by the parent), never the protocol
-    fns: dict[str, RewardCall] = {}
-    try:
-        init = _read_msg(proto_in)
-    except EOFError:
-        return
-    assert init is not None
-    _die_with_parent(init["ppid"])
-    _limit_memory(init.get("max_memory_mb"))
-    sys.path[:] = init["path"]  # dotted-path rewards import as in the parent
-    while True:
-        try:
-            msg = _read_msg(proto_in)
-        except EOFError:
-            return
-        assert msg is not None
-        ds = msg["data_source"]
-        if msg["op"] == "resolve":
-            try:
-                fns[ds] = RewardCall.of(resolve_reward_fn(init["spec"], ds), init["spec"])
-                warm_up(fns[ds].fn)
-                reply: dict[str, Any] = {"error": None}
-            except Exception as e:
-                reply = {"error": f"{type(e).__name__}: {e}"}
-        else:
-            reply = asdict(evaluate(fns[ds], RewardInput(**msg["input"]), init["on_error"]))
-        _flush_output()
-        data = json.dumps(reply).encode()
-        os.write(proto_out, _HEADER.pack(len(data)) + data)
 
 
 class RewardScorer:

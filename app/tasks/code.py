@@ -3,7 +3,7 @@
 Each problem is a small parameterised family ("read two integers a and b, print 3*a - 2*b", "print the
 largest of a list", "reverse a string", ...) with one worked example in the prompt and three hidden
 tests in the answer, a JSON string `{"tests": [{"input": ..., "output": ...}, ...]}` that
-`app.rewards.sandbox.code_reward` understands. Everything is generated locally and deterministically from a seed;
+`app.rewards.code.code_reward` understands. Everything is generated locally and deterministically from a seed;
 prompts are unique. Every problem carries a reference solution, used by the tests only (it is not written
 to the task files) to prove that its tests are solvable.
 """
