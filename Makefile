@@ -19,12 +19,12 @@ unit: $(STAMP)
 	$(PY) -m pytest -q -m "not integration" $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app tests bench
-	$(VENV)/bin/ruff format --check app tests bench
+	$(VENV)/bin/ruff check app relay tests bench
+	$(VENV)/bin/ruff format --check app relay tests bench
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format app tests bench
-	$(VENV)/bin/ruff check --fix app tests bench
+	$(VENV)/bin/ruff format app relay tests bench
+	$(VENV)/bin/ruff check --fix app relay tests bench
 
 bench: $(STAMP)
 	$(PY) bench/rollout_overhead.py
