@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.config import flatten
 from app.errors import UserError
 from app.trainer.checkpoint import CONFIG, sha256
 
@@ -200,16 +201,6 @@ def _compare_lora(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def compare(saved: dict[str, Any], now: dict[str, Any]) -> Comparison:
     """What changed from the checkpoint's identity `saved` to this run's `now` (see `identity`)."""
     c = Comparison(model=_compare_model(saved.get("model", {}), now.get("model", {})))
@@ -226,7 +217,7 @@ def compare(saved: dict[str, Any], now: dict[str, Any]) -> Comparison:
         )
     handled = ("model.path", "model.dtype", "data.train", "data.val", "data.train_weights")
     handled += ("model.lora_rank", "model.lora_targets")
-    a, b = _flat(saved.get("config", {})), _flat(now.get("config", {}))
+    a, b = flatten(saved.get("config", {})), flatten(now.get("config", {}))
     w_old, w_new = a.get("data.train_weights") or [], b.get("data.train_weights") or []
     if list(w_old) != list(w_new):  # another mixture: another sequence of epochs
         c.data.append(f"data.train_weights: the checkpoint's are {list(w_old)}, this run gives {list(w_new)}")
