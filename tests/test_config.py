@@ -420,17 +420,18 @@ def test_builtin_tasks_are_checked_against_their_registry_entries():
 
 
 def test_user_error_is_one_line_with_the_traceback_only_at_debug(tmp_path):
-    """A missing data file: one line naming the file and the fix, RESULT ok=false; at DEBUG, the traceback."""
+    """A missing data file: one line naming the file and the fix, RESULT ok=false, exit 2 (an input error,
+    as a config error); at DEBUG, the traceback."""
     val = tmp_path / "val.jsonl"
     val.write_text('{"prompt": "q", "answer": "1"}\n')
     args = ["train", f"data.train={tmp_path / 'missing.jsonl'}", f"data.val={val}", f"run_dir={tmp_path}"]
     rc, out, err = _cli(*args)
-    assert rc == 1 and "missing.jsonl: file not found" in _result(out)["error"]
+    assert rc == 2 and "missing.jsonl: file not found" in _result(out)["error"]
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 1 and "ERROR" in lines[0] and "check data.train" in lines[0], err
     assert "Traceback" not in err
     rc, out, err = _cli(*args, "log_level=DEBUG")
-    assert rc == 1 and "Traceback (most recent call last)" in err and "DataError" in err
+    assert rc == 2 and "Traceback (most recent call last)" in err and "DataError" in err
 
 
 def test_user_error_found_inside_a_wrapping_exception():
