@@ -64,7 +64,9 @@ class Prompt:
     `prompt_ids` are token ids (a plain `list[int]` end to end). `partial` holds the samples generated so far
     when a clean stop froze this prompt's generation (a partial rollout that a resumed run continues).
     `prompt_text` is the prompt as the data has it: its text, or its chat messages as JSON (`chat`);
-    `extra_info` is the row's verl `extra_info` (reward functions see both, app/rewards/styles.py).
+    `extra_info` is the row's verl `extra_info`; `truth` the answer as the data gives it when that is not a
+    string (None: `answer` is it); `columns` the row's other columns by name (reward functions see them all,
+    app/rewards/styles.py).
     """
 
     uid: str
@@ -74,6 +76,8 @@ class Prompt:
     prompt_text: str = ""
     chat: bool = False
     extra_info: dict[str, Any] = field(default_factory=dict)
+    truth: Any = None
+    columns: dict[str, Any] = field(default_factory=dict)
     epoch: int = 0
     index: int = 0
     partial: list[Sample] = field(default_factory=list)
@@ -106,6 +110,8 @@ class Group:
     data_source: str = ""
     chat: bool = False
     extra_info: dict[str, Any] = field(default_factory=dict)
+    truth: Any = None  # as Prompt's: the reward's view of the row
+    columns: dict[str, Any] = field(default_factory=dict)
 
     @property
     def min_version(self) -> int:
@@ -130,6 +136,8 @@ class Group:
             prompt_text=self.prompt_text,
             chat=self.chat,
             extra_info=dict(self.extra_info),
+            truth=self.truth,
+            columns=dict(self.columns),
             epoch=self.epoch,
         )
 

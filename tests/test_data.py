@@ -56,18 +56,40 @@ def test_jsonl_good(tmp_path):
         ],
     )
     rows = load_rows(path)
-    assert rows == [
+    assert rows == [  # a number is the answer's text, and kept as given (truth); other fields are columns
         PromptRow("train:0", "max:3815=", "8", "train", 0),
-        PromptRow("q-7", MSGS, "4", "arith", 1),
-        PromptRow("9", "x", "2.5", "train", 2),
+        PromptRow("q-7", MSGS, "4", "arith", 1, truth=4, columns={"id": "q-7"}),
+        PromptRow("9", "x", "2.5", "train", 2, truth=2.5, columns={"uid": 9}),
     ]
+
+
+def test_a_list_or_mapping_answer_is_kept_as_given_beside_its_json_text(tmp_path):
+    """verl's ground truths may be several answers or a mapping (test cases): `truth` keeps them as the data
+    gives them, `answer` is their JSON text for the built-in rewards; the row's other fields are `columns`."""
+    path = write_jsonl(
+        tmp_path / "t.jsonl",
+        [
+            {"prompt": "a", "reward_model": {"ground_truth": ["1", "one"]}, "level": 3},
+            {"prompt": "b", "answer": {"inputs": [1], "outputs": [2]}},
+        ],
+    )
+    first, second = load_rows(path)
+    assert (first.answer, first.truth) == ('["1", "one"]', ["1", "one"])
+    assert first.columns == {"reward_model": {"ground_truth": ["1", "one"]}, "level": 3}
+    assert (second.answer, second.truth) == (
+        '{"inputs": [1], "outputs": [2]}',
+        {"inputs": [1], "outputs": [2]},
+    )
 
 
 def test_parquet_verl_layout(tmp_path):
     rows = load_rows(write_verl_parquet(tmp_path / "gsm8k_train.parquet"))
     assert [r.uid for r in rows] == ["100", "101", "102"]
-    extra = {"split": "train", "index": 101}  # carried to the reward functions
-    assert rows[1] == PromptRow("101", [{"role": "user", "content": "q1"}], "11", "openai/gsm8k", 1, extra)
+    extra = {"split": "train", "index": 101}  # carried to the reward functions, as the other columns are
+    columns = {"ability": "math", "reward_model": {"style": "rule", "ground_truth": "11"}}
+    assert rows[1] == PromptRow(
+        "101", [{"role": "user", "content": "q1"}], "11", "openai/gsm8k", 1, extra, columns=columns
+    )
 
 
 def test_parquet_verl_without_index(tmp_path):
@@ -98,14 +120,16 @@ def test_jsonl_verl_layout_loads_like_parquet(tmp_path):
 def test_normalize_row_is_the_per_record_check(tmp_path):
     """The one function a streaming reader calls per record: same rules, file and row in every error."""
     row = normalize_row({"prompt": MSGS, "answer": 4}, tmp_path / "s.jsonl", 7, line=9)
-    assert row == PromptRow("s:7", MSGS, "4", "s", 7)
+    assert row == PromptRow("s:7", MSGS, "4", "s", 7, truth=4)
     verl = {
         "prompt": MSGS,
         "reward_model": {"ground_truth": "4"},
         "data_source": "d",
         "extra_info": {"index": 3},
     }
-    assert normalize_row(verl, "x.parquet", 0) == PromptRow("3", MSGS, "4", "d", 0, {"index": 3})
+    assert normalize_row(verl, "x.parquet", 0) == PromptRow(
+        "3", MSGS, "4", "d", 0, {"index": 3}, columns={"reward_model": {"ground_truth": "4"}}
+    )
     with pytest.raises(DataError, match=r"^x\.parquet row 5: prompt message 1 \(user\) has blank 'content'"):
         normalize_row(
             {"prompt": [MSGS[0], {"role": "user", "content": " \n"}], "answer": "1"}, "x.parquet", 5
@@ -155,7 +179,6 @@ def test_parquet_plain_columns(tmp_path):
         ([{"prompt": ["hi"], "answer": "1"}], "row 0 (line 1)", "message 0 has no string 'role'"),
         ([{"prompt": "a", "answer": None}], "row 0 (line 1)", "'answer' is None"),
         ([{"prompt": "a", "answer": True}], "row 0 (line 1)", "'answer' is True"),
-        ([{"prompt": "a", "answer": ["1"]}], "row 0 (line 1)", "'answer' is ['1']"),
         (
             [{"prompt": "a", "answer": "1"}, '{"prompt": "b", "answer": NaN}'],
             "row 1 (line 2)",

@@ -278,6 +278,13 @@ def slow(response: str, answer: str) -> float:
     return float(response == answer)
 
 
+def slow_span(response: str, answer: str) -> dict:
+    """`slow`, with when it ran (wall clock, seconds)."""
+    start = time.time()
+    time.sleep(0.2)
+    return {"score": float(response == answer), "start": start, "end": time.time()}
+
+
 def boom(response: str, answer: str) -> float:
     raise RuntimeError("reward crashed")
 

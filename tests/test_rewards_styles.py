@@ -64,7 +64,7 @@ def _generator(pool: RewardPool, texts: list[str], n: int = 2) -> GroupGenerator
     return GroupGenerator(
         Replica(texts),
         _decode,
-        pool.score,
+        pool,  # as the rollouter gives it: a TRL-style reward scores each group in one call
         RolloutConfig(n=n, max_tokens=16, group_requests=False),
         reward=RewardConfig(),
         seed=0,
@@ -305,7 +305,7 @@ def test_the_cli_refuses_a_failing_reward_before_ray_starts(tmp_path, capsys):
     data.write_text(json.dumps(VERL_ROW) + "\n")
     args = [f"model.path={model}", f"data.train={data}", f"data.val={data}", f"reward.fn={EX}:needs_split"]
     args.append("model.allow_toy_settings=true")  # a stand-in model folder: the toy limits are not the point
-    assert main(["train", *args, f"run_dir={tmp_path / 'runs'}"]) == 1
+    assert main(["train", *args, f"run_dir={tmp_path / 'runs'}"]) == 2  # an input error
     out = capsys.readouterr().out.strip().splitlines()[-1]
     assert out.startswith("RESULT ") and "KeyError: 'split'" in json.loads(out[7:])["error"]
     assert not (tmp_path / "runs").exists()  # refused before the run folder, Ray and MLflow

@@ -5,7 +5,8 @@ A reward function is called in one of three styles, detected from its parameters
 extra_info)` or TRL's batched `(prompts, completions, **kwargs)`. It returns a number (float/int/bool) or a
 dict of named sub-scores with a required `"score"` key; the other entries are reported as extras.
 
-`evaluate()` runs a function in-process without a deadline and never raises. Deadlines are enforced one
+`evaluate()` runs a function in-process without a deadline and never raises (`evaluate_group()`: a TRL-style
+function on a whole group of samples in one call). Deadlines are enforced one
 level up, by app.rewards.pool.RewardProcesses: a reward runs in a long-lived scoring subprocess that is
 killed (SIGKILL) when it misses its deadline, because a thread cannot be stopped (a big-integer power in
 sympy holds the GIL, so even the thread that waits on the deadline would not wake).
@@ -270,27 +271,42 @@ def evaluate(fn: RewardFn | RewardCall, inp: RewardInput, on_error: float) -> Re
     warning), a MemoryError (the process's memory limit) with error="oom"; NaN/inf, a non-numeric result or
     a TRL-style return that is not a list of one gives error="invalid"."""
     call = fn if isinstance(fn, RewardCall) else RewardCall.of(fn)
+    return _guarded(call, lambda: call(inp), 1, on_error)[0]
+
+
+def evaluate_group(fn: RewardFn | RewardCall, inps: list[RewardInput], on_error: float) -> list[RewardResult]:
+    """Score the samples `inps` of one row, a result each, as `evaluate` does (never raises): a TRL-style
+    function in one call on the whole group (lists of len(inps)), which fails or not as a whole (a return
+    that is not a list of len(inps) is "invalid" for each); any other style sample by sample."""
+    call = fn if isinstance(fn, RewardCall) else RewardCall.of(fn)
+    if call.style != "trl":
+        return [evaluate(call, inp, on_error) for inp in inps]
+    return _guarded(call, lambda: call.group(inps), len(inps), on_error)
+
+
+def _guarded(call: RewardCall, run: Callable[[], Any], n: int, on_error: float) -> list[RewardResult]:
+    """`run()`'s value for `n` samples, interpreted (see `evaluate`); never raises."""
     name = getattr(call.fn, "__name__", type(call.fn).__name__)
     try:
-        value = call(inp)
+        value = run()
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
     except MemoryError as e:  # over the scoring process's limit (reward.max_memory_mb), or truly out
         log.warning("reward function %s ran out of memory; scoring %s", name, on_error)
         detail = f"MemoryError: {e}"[:DETAIL_CHARS]
-        return RewardResult(
-            on_error, "oom", f"{detail}; over reward.max_memory_mb? raise it if the reward needs that much"
-        )
+        detail += "; over reward.max_memory_mb? raise it if the reward needs that much"
+        return [RewardResult(on_error, "oom", detail) for _ in range(n)]
     except Exception as e:  # the reward's own bug or a bad input: scored, never raised
         detail = f"{type(e).__name__}: {e}"[:DETAIL_CHARS]
         log.warning("reward function %s raised %s; scoring %s", name, detail, on_error)
-        return RewardResult(on_error, "exception", detail)
+        return [RewardResult(on_error, "exception", detail) for _ in range(n)]
     try:
-        return _interpret(call.one(value), on_error)
+        return [_interpret(v, on_error) for v in call.entries(value, n)]
     except InvalidReturn as e:
-        return RewardResult(on_error, "invalid", str(e)[:DETAIL_CHARS])
+        return [RewardResult(on_error, "invalid", str(e)[:DETAIL_CHARS]) for _ in range(n)]
     except Exception as e:  # a pathological return value (e.g. a dict subclass that raises)
-        return RewardResult(on_error, "invalid", f"{type(e).__name__}: {e}"[:DETAIL_CHARS])
+        detail = f"{type(e).__name__}: {e}"[:DETAIL_CHARS]
+        return [RewardResult(on_error, "invalid", detail) for _ in range(n)]
 
 
 def warm_up(fn: RewardFn) -> None:

@@ -3,9 +3,10 @@
 Config load already refused a function whose parameters fit none of the styles (app/rewards/styles.py). This
 calls each dotted-path function (`reward.fn` / `reward.fns`; the built-ins are Relay's own and tested) once,
 in a scoring process with the run's deadline and memory limit (app/rewards/pool.py), on the first row of the
-training data with the row's reference answer as the response. A function that raises, hangs or returns
-something that is not a score there would fail on every sample of the run: `RewardCheckError` says so now,
-naming the function, its style, the row and the error, instead of minutes later (or never).
+training data with the row's reference answer as the response. A function that raises, hangs, returns
+something that is not a score or takes a column the data does not have there would fail on every sample of
+the run: `RewardCheckError` says so now, naming the function, its style, the row and the error, instead of
+minutes later (or never).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def check_on_first_row(reward_cfg: Any, train: str | list[str], columns: Columns
         prompt=row.prompt,
         data_source=row.data_source,
         extra_info=row.extra_info,
+        truth=row.truth,
+        columns=row.columns,
         uid=row.uid,
     )
     for spec in specs:

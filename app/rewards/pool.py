@@ -30,6 +30,11 @@ one of the run's first `reward.fail_fast_samples` samples failed.
 
 Several functions (`reward.fns`, app/rewards/combine.py) each have their own scoring processes
 (`RewardScorer`); a sample is scored by each in turn, each within `reward.timeout_s`, and combined.
+
+A TRL-style function (app/rewards/styles.py) is batched: it sees a whole group of one prompt's samples in
+one call (`score_group`, when the group's last sample finished: `batched` tells the generator so), as in
+TRL, where a reward may rank a group's completions or judge them side by side. A run with one beside other
+functions scores those groups whole too, the others sample by sample within the group call.
 """
 
 from __future__ import annotations
@@ -49,14 +54,14 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from app.rewards import RewardResult, resolve_reward_fn
 from app.rewards.combine import RewardSpec, combine, reward_specs, spec_name
 from app.rewards.guard import FailFast
 from app.rewards.scoring_process import HEADER, read_exact
-from app.rewards.styles import RewardInput
+from app.rewards.styles import RewardCall, RewardInput
 
 log = logging.getLogger(__name__)
 
@@ -251,10 +256,19 @@ class RewardProcesses:
     def score(self, inp: RewardInput) -> RewardResult:
         """The function's score of `inp` in a scoring process, within `timeout_s`; never raises. What it
         printed is logged up to OUTPUT_CAP_BYTES; the bytes beyond are counted in `output_dropped`."""
+        return self._score([inp], False)[0]
+
+    def score_group(self, inps: list[RewardInput]) -> list[RewardResult]:
+        """A TRL-style function's scores of `inps` (samples of one row) in one call, in one scoring process
+        within one `timeout_s`: a result per sample (the output dropped counted on the first); never raises."""
+        return self._score(inps, True)
+
+    def _score(self, inps: list[RewardInput], group: bool) -> list[RewardResult]:
         proc = None
         try:
             proc = self._take()
-            res = self._resolve(proc, inp.data_source) or self._evaluate(proc, inp)
+            failed = self._resolve(proc, inps[0].data_source)
+            results = [replace(failed) for _ in inps] if failed else self._evaluate(proc, inps, group)
         except (OSError, EOFError, ValueError, TypeError) as e:  # could not start, died, garbled reply
             dropped = 0
             if proc is not None:
@@ -262,10 +276,12 @@ class RewardProcesses:
                 proc.kill()
             log.warning("reward process crashed (%s: %s); scoring %s", type(e).__name__, e, self.on_error)
             detail = f"reward process died: {type(e).__name__}: {e}"
-            return RewardResult(self.on_error, "crash", detail, output_dropped=dropped)
-        res.output_dropped = self._log_output(proc)
-        if res.error in ("timeout", "oom"):  # stuck, or holding memory it may never give back
-            if res.error == "timeout":
+            crash = RewardResult(self.on_error, "crash", detail)
+            return [replace(crash, output_dropped=dropped if i == 0 else 0) for i in range(len(inps))]
+        results[0].output_dropped = self._log_output(proc)
+        errors = {res.error for res in results}
+        if errors & {"timeout", "oom"}:  # stuck, or holding memory it may never give back
+            if "timeout" in errors:
                 self.killed.append(proc.proc.pid)
             proc.kill()
             with self.lock:
@@ -273,7 +289,7 @@ class RewardProcesses:
             self.spawner.submit(self._replace, set(proc.ready) | self.sources)
         else:
             self._give_back(proc)
-        return res
+        return results
 
     def _log_output(self, proc: _Process) -> int:
         """Log what `proc` printed for its last request (up to the cap); the count of bytes dropped."""
@@ -311,9 +327,12 @@ class RewardProcesses:
         self.sources.add(data_source)
         return None
 
-    def _evaluate(self, proc: _Process, inp: RewardInput) -> RewardResult:
-        data_source = inp.data_source
-        proc.send({"op": "score", "data_source": data_source, "input": asdict(inp)})
+    def _evaluate(self, proc: _Process, inps: list[RewardInput], group: bool) -> list[RewardResult]:
+        data_source = inps[0].data_source
+        if group:
+            proc.send({"op": "score_group", "data_source": data_source, "inputs": [asdict(i) for i in inps]})
+        else:
+            proc.send({"op": "score", "data_source": data_source, "input": asdict(inps[0])})
         wait = self.timeout_s if 0 < self.timeout_s < math.inf else math.inf
         reply = proc.recv(time.monotonic() + wait)
         if reply is None:
@@ -324,12 +343,9 @@ class RewardProcesses:
                 proc.proc.pid,
                 self.on_error,
             )
-            return RewardResult(
-                self.on_error,
-                "timeout",
-                f"reward {self.spec!r} ({data_source}) did not return within {self.timeout_s}s",
-            )
-        return RewardResult(**reply)
+            detail = f"reward {self.spec!r} ({data_source}) did not return within {self.timeout_s}s"
+            return [RewardResult(self.on_error, "timeout", detail) for _ in inps]
+        return [RewardResult(**d) for d in reply["results"]] if group else [RewardResult(**reply)]
 
     def close(self) -> None:
         self.spawner.shutdown(wait=True, cancel_futures=True)  # a spare not yet started never starts
@@ -358,18 +374,41 @@ class RewardScorer:
         self.parts = [
             (spec, RewardProcesses(spec.spec, timeout_s, on_error, max_idle, max_memory_mb)) for spec in specs
         ]
-        self.resolved: set[str] = set()
+        self.styles: dict[str, list[str]] = {}  # each function's style, by the data sources resolved
 
     def resolve(self, data_source: str) -> None:
         """Resolve every function for `data_source` here, so a bad spec raises in the caller, not in a
         scoring process."""
-        if data_source not in self.resolved:
-            for spec, _ in self.parts:
-                resolve_reward_fn(spec.spec, data_source)
-            self.resolved.add(data_source)
+        if data_source not in self.styles:
+            self.styles[data_source] = [
+                RewardCall.of(resolve_reward_fn(spec.spec, data_source), spec.spec).style
+                for spec, _ in self.parts
+            ]
+
+    def batched(self, data_source: str) -> bool:
+        """Whether a function scores `data_source`'s groups whole (TRL style): then call `score_group`."""
+        self.resolve(data_source)
+        return "trl" in self.styles[data_source]
 
     def score(self, inp: RewardInput) -> RewardResult:
         return combine([(spec, procs.score(inp)) for spec, procs in self.parts], self.named)
+
+    def score_group(self, inps: list[RewardInput]) -> list[RewardResult]:
+        """Each of `inps` (samples of one row) scored by every function and combined: a TRL-style one in one
+        call on the group, any other sample by sample (all at once, in threads); blocks, never raises."""
+        styles = self.styles[inps[0].data_source]  # resolve() first
+        parts = []
+        for (_, procs), style in zip(self.parts, styles, strict=True):
+            if style == "trl":
+                parts.append(procs.score_group(inps))
+            else:
+                with ThreadPoolExecutor(len(inps), thread_name_prefix="reward-sample") as pool:
+                    parts.append(list(pool.map(procs.score, inps)))
+        specs = [spec for spec, _ in self.parts]
+        return [
+            combine(list(zip(specs, [p[i] for p in parts], strict=True)), self.named)
+            for i in range(len(inps))
+        ]
 
     @property
     def processes(self) -> list[RewardProcesses]:
@@ -409,6 +448,14 @@ class RewardWorker:
         loop = asyncio.get_running_loop()
         res = await loop.run_in_executor(self.executor, self.procs.score, inp)
         return asdict(res)
+
+    async def batched(self, data_source: str) -> bool:
+        return self.procs.batched(data_source)
+
+    async def score_group(self, inps: list[RewardInput]) -> list[dict[str, Any]]:
+        self.procs.resolve(inps[0].data_source)
+        loop = asyncio.get_running_loop()
+        return [asdict(r) for r in await loop.run_in_executor(self.executor, self.procs.score_group, inps)]
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in one of this worker's threads: an environment's blocking step (app/envs), such as
@@ -452,6 +499,7 @@ class RewardPool:
             self.procs = RewardScorer(specs, c.timeout_s, c.on_error, conc, c.max_memory_mb, named)
             self.executor = ThreadPoolExecutor(conc, thread_name_prefix="reward")
         self.sem = asyncio.Semaphore(max(1, n) * conc)
+        self._batched: dict[str, bool] = {}
 
     async def pids(self) -> list[int]:
         return [await w.pid.remote() for w in self.workers]
@@ -463,9 +511,39 @@ class RewardPool:
                 loop = asyncio.get_running_loop()
                 res = await loop.run_in_executor(self.executor, self.procs.score, inp)
             else:
-                res = await self._remote(inp)
+                res = (await self._remote([inp], False))[0]
         self.guard.observe(inp, res)
         return res
+
+    async def batched(self, data_source: str) -> bool:
+        """Whether `data_source`'s samples are scored a group at a time (a TRL-style function): the generator
+        then calls `score_group` once a group's samples are all generated, instead of `score` on each."""
+        if data_source not in self._batched:
+            if self.procs is not None:
+                self._batched[data_source] = self.procs.batched(data_source)
+            else:
+                try:
+                    self._batched[data_source] = await self.workers[0].batched.remote(data_source)
+                except Exception as e:  # a spec that does not resolve: each sample's `score` reports it
+                    log.warning(
+                        "reward for %r did not resolve (%s): scoring sample by sample", data_source, e
+                    )
+                    self._batched[data_source] = False
+        return self._batched[data_source]
+
+    async def score_group(self, inps: list[RewardInput]) -> list[RewardResult]:
+        """Each of `inps` (the samples of one row) scored, a TRL-style function in one call on all of them
+        (app/rewards/styles.py); raises `RewardsFailed` as `score` does."""
+        async with self.sem:
+            if self.procs is not None:
+                self.procs.resolve(inps[0].data_source)
+                loop = asyncio.get_running_loop()
+                results = await loop.run_in_executor(self.executor, self.procs.score_group, inps)
+            else:
+                results = await self._remote(inps, True)
+        for inp, res in zip(inps, results, strict=True):
+            self.guard.observe(inp, res)
+        return results
 
     @contextlib.contextmanager
     def _least_busy(self) -> Iterator[int]:
@@ -477,16 +555,18 @@ class RewardPool:
         finally:
             self.busy[i] -= 1
 
-    async def _remote(self, inp: RewardInput) -> RewardResult:
+    async def _remote(self, inps: list[RewardInput], group: bool) -> list[RewardResult]:
+        """`inps` scored on the least busy worker: a group in one call, or the one sample of `inps`."""
         c = self.cfg
         with self._least_busy() as i:
             try:
-                ref = self.workers[i].score.remote(inp)
+                w = self.workers[i]
+                ref = w.score_group.remote(inps) if group else w.score.remote(inps[0])
                 # the functions run one after the other, each within timeout_s
                 d = await asyncio.wait_for(ref, timeout=c.timeout_s * self.functions + WORKER_MARGIN_S)
-                return RewardResult(**d)
+                return [RewardResult(**r) for r in d] if group else [RewardResult(**d)]
             except asyncio.TimeoutError:
-                return RewardResult(
+                failed = RewardResult(
                     c.on_error, "timeout", f"reward worker {i} did not answer within {c.timeout_s}s + margin"
                 )
             except Exception as e:
@@ -494,8 +574,10 @@ class RewardPool:
 
                 if isinstance(e, ray.exceptions.RayActorError):
                     log.warning("reward worker %d died while scoring (restarting): %s", i, e)
-                    return RewardResult(c.on_error, "crash", f"reward worker {i} died: {type(e).__name__}")
-                return RewardResult(c.on_error, "exception", f"{type(e).__name__}: {e}")
+                    failed = RewardResult(c.on_error, "crash", f"reward worker {i} died: {type(e).__name__}")
+                else:
+                    failed = RewardResult(c.on_error, "exception", f"{type(e).__name__}: {e}")
+        return [replace(failed) for _ in inps]
 
     async def offload(self, fn: Any, *args: Any) -> Any:
         """`fn(*args)` (blocking, picklable) beside generation: on the least busy reward worker when there are

@@ -1,7 +1,7 @@
 """The scoring process's side (app/rewards/pool.py starts it): length-prefixed JSON requests on its stdin,
 replies on its stdout, what the reward prints on its stderr. It dies with the thread that started it
 (parent-death signal), keeps under its memory limit (RLIMIT_DATA), resolves reward functions per data source
-and evaluates one request at a time."""
+and evaluates one request at a time (one sample, or a group for a TRL-style function)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from app.rewards import evaluate, resolve_reward_fn, warm_up
+from app.rewards import evaluate, evaluate_group, resolve_reward_fn, warm_up
 from app.rewards.styles import RewardCall, RewardInput
 
 HEADER = struct.Struct("!I")
@@ -110,6 +110,9 @@ def child_main() -> None:
                 reply: dict[str, Any] = {"error": None}
             except Exception as e:
                 reply = {"error": f"{type(e).__name__}: {e}"}
+        elif msg["op"] == "score_group":  # a TRL-style function on a whole group: one result per sample
+            inps = [RewardInput(**d) for d in msg["inputs"]]
+            reply = {"results": [asdict(r) for r in evaluate_group(fns[ds], inps, init["on_error"])]}
         else:
             reply = asdict(evaluate(fns[ds], RewardInput(**msg["input"]), init["on_error"]))
         _flush_output()

@@ -45,7 +45,7 @@ from app.rollout.prompt_files import (
 
 BLOCK_ROWS = 4096  # rows per block the reader yields: bounded memory whatever the file's size
 ROW = "_relay_row"  # the row-number column the parquet reader adds to the file's own columns
-COLUMNS = ("uid", "prompt", "is_chat", "answer", "data_source", "index", "extra_info")
+COLUMNS = ("uid", "prompt", "is_chat", "answer", "data_source", "index", "extra_info", "truth", "columns")
 
 
 def is_parquet(path: str | Path) -> bool:
@@ -159,8 +159,8 @@ class Tokenize:
 
 
 def plain_row(r: PromptRow) -> dict[str, Any]:
-    """A validated row as Ray Data columns (chat messages and extra_info as JSON strings: one column type for
-    every row)."""
+    """A validated row as Ray Data columns (chat messages, extra_info, the answer as the data gives it and the
+    row's other columns as JSON strings: one column type for every row)."""
     chat = isinstance(r.prompt, list)
     return {
         "uid": r.uid,
@@ -170,6 +170,8 @@ def plain_row(r: PromptRow) -> dict[str, Any]:
         "data_source": r.data_source,
         "index": r.index,
         "extra_info": json.dumps(r.extra_info, default=str),
+        "truth": json.dumps(r.truth, default=str),
+        "columns": json.dumps(r.columns, default=str),
     }
 
 
@@ -183,6 +185,8 @@ def prompt_row(rec: dict[str, Any]) -> PromptRow:
         data_source=str(rec["data_source"]),
         index=int(rec["index"]),
         extra_info=json.loads(str(rec["extra_info"])),
+        truth=json.loads(str(rec["truth"])),
+        columns=json.loads(str(rec["columns"])),
     )
 
 
@@ -492,4 +496,6 @@ def to_prompt(row: dict[str, Any]) -> Prompt:
         chat=bool(row["is_chat"]),
         extra_info=json.loads(str(row["extra_info"])),
         index=int(row["index"]),
+        truth=json.loads(str(row["truth"])),
+        columns=json.loads(str(row["columns"])),
     )

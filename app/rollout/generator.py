@@ -1,9 +1,11 @@
 """One prompt's GRPO group: generate its samples through a `GenerateFn`, score each as it finishes.
 
 A group is one request for its `n` samples (`rollout.group_requests`), or each sample is its own request,
-whose reward then starts the moment it finishes while the rest of the group is still generating. Where
-generation runs is behind `GenerateFn` (an async callable taking a `GenerateRequest` and returning a
-`GenerateResponse` with `n` samples): in production a thin wrapper over the Serve handle, in tests a fake.
+whose reward then starts the moment it finishes while the rest of the group is still generating. A reward
+that sees a whole group at once (TRL's batched functions: a `GroupScore` says which) scores the group in one
+call when its last sample finishes. Where generation runs is behind `GenerateFn` (an async callable taking a
+`GenerateRequest` and returning a `GenerateResponse` with `n` samples): in production a thin wrapper over the
+Serve handle, in tests a fake.
 
 Partial rollouts (`rollout.partial`): with `keep` and `off` the replica handles a push itself; with
 `resubmit` a sample aborted by a push comes back with finish reason 'abort' and goes out again as prompt +
@@ -20,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from app.config import EnvConfig, RewardConfig, RolloutConfig, parse_lengths
 from app.envs.base import EnvFactory, EpisodeMaker, EpisodeRunner
@@ -45,6 +47,18 @@ class GenerateFn(Protocol):
 ScoreFn = Callable[[RewardInput], Awaitable[RewardResult]]  # one sample and its row -> its reward
 
 
+@runtime_checkable
+class GroupScore(Protocol):
+    """The reward stage (app/rewards/pool.py `RewardPool`): scores a sample, or, where `batched` says so for
+    a data source (a TRL-style function), a whole group of one row's samples in one call."""
+
+    async def score(self, inp: RewardInput) -> RewardResult: ...
+
+    async def batched(self, data_source: str) -> bool: ...
+
+    async def score_group(self, inps: list[RewardInput]) -> list[RewardResult]: ...
+
+
 class RefFill(Protocol):
     async def fill(self, group: Group) -> None: ...
 
@@ -65,7 +79,7 @@ class GroupGenerator:
         self,
         generate: GenerateFn,
         decode: Callable[[list[int]], str],
-        score: ScoreFn,
+        score: ScoreFn | GroupScore,
         rollout: RolloutConfig,
         *,
         reward: RewardConfig,
@@ -79,8 +93,11 @@ class GroupGenerator:
         """Sampling from `rollout`, DAPO's overlong shaping and a failed episode's score from `reward`, the
         run's `seed` (long-tailed lengths). `env`: a factory of environments (app/envs): each sample is then
         a multi-turn episode (app/rollout/episode.py) whose reward the environment gives, bounded by
-        `limits` (the config's `env` section); `encode` tokenizes its observations."""
-        self.generate, self._decode, self.score = generate, decode, score
+        `limits` (the config's `env` section); `encode` tokenizes its observations. `score` scores a sample,
+        or is a `GroupScore` that may score a whole group at once."""
+        self.generate, self._decode = generate, decode
+        self.groups = score if isinstance(score, GroupScore) else None
+        self.score: ScoreFn = score.score if isinstance(score, GroupScore) else score
         self.rollout, self.reward, self.seed = rollout, reward, seed
         self.lengths = parse_lengths(rollout.lengths)
         self.refs, self._encode = refs, encode
@@ -130,15 +147,18 @@ class GroupGenerator:
             self.stats["ckpt/resumed_partial_groups"] += 1
         count = len(prompt.partial) if prompt.partial else (n or self.rollout.n)
         reqs = [replace(req, seed=None if seed is None else seed + i) for i in range(count)]
+        whole = score_now and await self._batched(prompt)  # scored as a group once all are generated
         self.inflight.add(key)
         try:
-            outs = await self._samples(prompt, req, reqs, score_now)
+            outs = await self._samples(prompt, req, reqs, score_now and not whole)
             if self.rollout.partial == "off" and self.episode is None and not prompt.partial:
-                outs = await self._one_version(prompt, reqs, outs, score_now)
+                outs = await self._one_version(prompt, reqs, outs, score_now and not whole)
         finally:
             self.inflight.discard(key)
         if train and self.freezing and any(s.finish_reason == "abort" for s, _ in outs):
             raise Frozen(key, [s for s, _ in outs])
+        if whole:
+            outs = await score_whole(self.groups, prompt, self.freezing, outs)
         for s, res in outs:
             self._set_reward(s, res, shape=train)
         g = Group(
@@ -151,6 +171,8 @@ class GroupGenerator:
             data_source=prompt.data_source,
             chat=prompt.chat,
             extra_info=dict(prompt.extra_info),
+            truth=prompt.truth,
+            columns=dict(prompt.columns),
         )
         if train and score_now and self.refs is not None:
             await self.refs.fill(g)
@@ -213,12 +235,22 @@ class GroupGenerator:
                 await self.refs.fill(g)
             return g
         prompt = g.prompt()
-        results = await asyncio.gather(*[self.score(RewardInput.of(prompt, s.text)) for s in g.samples])
+        if await self._batched(prompt):
+            outs = await score_whole(self.groups, prompt, False, [(s, None) for s in g.samples])
+            results = [res for _, res in outs]
+        else:
+            results = await asyncio.gather(*[self.score(RewardInput.of(prompt, s.text)) for s in g.samples])
         for s, res in zip(g.samples, results, strict=True):
             self._set_reward(s, res)
         if self.refs is not None:
             await self.refs.fill(g)
         return g
+
+    async def _batched(self, prompt: Prompt) -> bool:
+        """Whether `prompt`'s samples are scored as one group (see `GroupScore`); never for episodes."""
+        return (
+            self.episode is None and self.groups is not None and await self.groups.batched(prompt.data_source)
+        )
 
     async def _samples(
         self, prompt: Prompt, req: GenerateRequest, reqs: list[GenerateRequest], score_now: bool
@@ -334,3 +366,18 @@ class GroupGenerator:
             resp = await asyncio.wait_for(self.generate(cont), timeout=self.rollout.request_timeout_s)
             sample = admission.merge_partial(sample, resp.samples[0])
         return sample
+
+
+async def score_whole(
+    groups: GroupScore | None, prompt: Prompt, freezing: bool, outs: list[tuple[Sample, RewardResult | None]]
+) -> list[tuple[Sample, RewardResult | None]]:
+    """A group's generated samples `outs` scored in one call (a sample a freeze left aborted stays unscored)."""
+    assert groups is not None
+    done = [i for i, (s, _) in enumerate(outs) if not (freezing and s.finish_reason == "abort")]
+    if not done:
+        return outs
+    results = await groups.score_group([RewardInput.of(prompt, outs[i][0].text) for i in done])
+    scored = list(outs)
+    for i, res in zip(done, results, strict=True):
+        scored[i] = (outs[i][0], res)
+    return scored

@@ -30,10 +30,20 @@ _PARQUET_FORMAT = (
 )
 
 
+STANDARD = ("prompt", "answer", "data_source", "extra_info")
+"""The fields a row has under these names whatever the file calls them; its other columns are `columns`."""
+
+
 @dataclass
 class PromptRow:
     """One prompt: `prompt` is a string or chat messages; `index` is its 0-based row number in the file;
-    `extra_info` is the row's verl `extra_info` mapping ({} when it has none), which reward functions see."""
+    `extra_info` is the row's verl `extra_info` mapping ({} when it has none), which reward functions see.
+
+    `answer` is the reference answer as text (a number as its digits, a list or a mapping as JSON): what the
+    built-in rewards compare with. `truth` is that answer as the data gives it when it is not a string (a
+    number, a list, a mapping; None: `answer` is it), for verl's `ground_truth`. `columns` holds the record's
+    other top-level fields under their own names (those of `STANDARD` aside), as TRL passes them to rewards.
+    """
 
     uid: str
     prompt: str | list[dict]
@@ -41,6 +51,8 @@ class PromptRow:
     data_source: str
     index: int
     extra_info: dict[str, Any] = field(default_factory=dict)
+    truth: Any = None
+    columns: dict[str, Any] = field(default_factory=dict)
 
 
 class DataError(UserError, ValueError):
@@ -129,9 +141,10 @@ def _check_prompt(prompt: Any, where: str, fmt: str) -> str | list[dict]:
     raise DataError(f"{where}: 'prompt' is a {type(prompt).__name__}, not a string or message list ({fmt})")
 
 
-def _check_answer(answer: Any, where: str, key: str, fmt: str) -> str:
+def _check_answer(answer: Any, where: str, key: str, fmt: str) -> tuple[str, Any]:
+    """The reference answer as text, and as the data gives it when that is not a string (else None)."""
     if isinstance(answer, str):
-        return answer
+        return answer, None
     if isinstance(answer, numbers.Real) and not isinstance(answer, bool):
         # JSON's NaN / Infinity parse as floats: as "nan" / "inf" no response could ever match them
         if not isinstance(answer, numbers.Integral) and not math.isfinite(answer):
@@ -139,8 +152,13 @@ def _check_answer(answer: Any, where: str, key: str, fmt: str) -> str:
                 f"{where}: {key!r} is {answer!r}, not a finite number; give the reference answer as a "
                 f"finite number or a string ({fmt})"
             )
-        return str(answer)
-    raise DataError(f"{where}: {key!r} is {answer!r:.80}, expected a string or a number ({fmt})")
+        return str(answer), answer
+    if isinstance(answer, (list, tuple, Mapping)):  # verl's ground truths: several answers, test cases...
+        truth = dict(answer) if isinstance(answer, Mapping) else list(answer)
+        return json.dumps(truth, ensure_ascii=False, default=str), truth
+    raise DataError(
+        f"{where}: {key!r} is {answer!r:.80}, expected a string, a number, a list or a mapping ({fmt})"
+    )
 
 
 def _optional_str(value: Any, where: str, key: str, fmt: str) -> str | None:
@@ -176,7 +194,8 @@ def normalize_row(
     `reward_model.ground_truth`, `data_source`, optional `extra_info.index`). The uid is the record's
     id/uid/extra_info.index, else "{stem}:{row}"; data_source defaults to the file stem. `row` is the
     0-based row number, `line` the 1-based JSONL line if any; `columns` maps other field names onto these.
-    Raises DataError naming the file, the row (and line) and the fix. Uniqueness of ids across rows is the
+    The answer may be a string, a number, a list or a mapping (see PromptRow); the record's other fields
+    are kept in the row's `columns`. Raises DataError naming the file, the row (and line) and the fix. Uniqueness of ids across rows is the
     caller's check (load_rows).
     """
     p = Path(path)
@@ -184,6 +203,7 @@ def normalize_row(
     fmt = _JSONL_FORMAT if p.suffix.lower() == ".jsonl" else _PARQUET_FORMAT
     if not isinstance(rec, Mapping):
         raise DataError(f"{where}: a JSON {type(rec).__name__}, not an object; {fmt}")
+    raw = rec  # its columns as the file names them (a mapped answer column keeps its own name too)
     if columns is not None:
         rec = columns.apply(rec, where)
     if "prompt" not in rec:
@@ -195,13 +215,16 @@ def normalize_row(
     source = rec.get("data_source")
     if source is not None and not isinstance(source, str):
         raise DataError(f"{where}: 'data_source' must be a string, got {source!r:.80}")
+    text, truth = _check_answer(answer, where, key, fmt)
     return PromptRow(
         uid=uid if uid is not None else f"{p.stem}:{row}",
         prompt=_check_prompt(rec["prompt"], where, fmt),
-        answer=_check_answer(answer, where, key, fmt),
+        answer=text,
         data_source=source or p.stem,
         index=row,
         extra_info=dict(extra) if isinstance(extra, Mapping) else {},
+        truth=truth,
+        columns={str(k): v for k, v in raw.items() if k not in STANDARD},
     )
 
 
