@@ -29,16 +29,15 @@ from app.infra import ray_compat
 from app.infra.resources import (
     bundle_gpu_ids,
     custom,
-    memory_share,
     ongoing_requests,
     replica_placement,
-    role_env,
     samples_per_request,
     worker_share,
 )
 from app.records import GenerateRequest, GenerateResponse, Sample
 from app.sync import ReplicaSync
 from app.vllm import engine as vla
+from app.vllm import replica_engine
 from app.weights.actors import NAMESPACE
 from app.weights.control import control_name
 from app.weights.hub import hub_name
@@ -148,31 +147,7 @@ class RolloutServer:
         A seeded request for `n` samples runs as `n` engine requests seeded `seed`, `seed + 1`, ...: the
         samples a group's per-sample requests would give (`rollout.group_requests`)."""
         async with self.sync.adapter(req.adapter) as adapter:
-            if req.n > 1 and req.seed is not None:
-                parts = await asyncio.gather(
-                    *[self._engine_generate(req, 1, req.seed + i, adapter) for i in range(req.n)]
-                )
-                return [s for part in parts for s in part]
-            return await self._engine_generate(req, req.n, req.seed, adapter)
-
-    async def _engine_generate(
-        self, req: GenerateRequest, n: int, seed: int | None, adapter: Any
-    ) -> list[dict[str, Any]]:
-        return await vla.generate(
-            self.engine,
-            list(req.prompt_ids),
-            n=n,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=list(req.stop),
-            version=self.version,
-            seed=seed,
-            ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs,
-            adapter=adapter,
-        )
+            return await replica_engine.generate_request(self.engine, req, self.version, adapter)
 
     async def completion_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
         """Log-probs of a fixed completion under this replica's newest weights (base + adapter, with LoRA)."""
@@ -238,18 +213,7 @@ class RolloutServer:
 def build_app(cfg, model_path: str):
     """The Serve application for `cfg.rollout` (autoscaling settings included)."""
     r = cfg.rollout
-    use_gpu = r.replica_gpus > 0
-    engine = dict(
-        dtype=cfg.model.dtype,
-        max_model_len=r.max_model_len,
-        max_num_seqs=r.max_num_seqs,
-        gpu_memory_utilization=memory_share(r),
-        seed=cfg.seed,
-        use_gpu=use_gpu,
-        cuda_graphs=r.cuda_graphs,
-        lora_rank=cfg.model.lora_rank,
-        tensor_parallel_size=r.tensor_parallel_size,
-    )
+    engine = replica_engine.engine_args(cfg)  # as `python -m app eval` builds its in-process engine
     placement = replica_placement(r, custom(cfg, "rollout"))
     opts: dict[str, Any] = {
         "name": DEPLOYMENT_NAME,
@@ -259,7 +223,7 @@ def build_app(cfg, model_path: str):
             "num_gpus": worker_share(r) if placement else r.replica_gpus,
             "resources": custom(cfg, "rollout"),  # resources.rollout_custom: only nodes that have them
             # a CPU replica is hidden from every GPU (a GPU build of vLLM is refused it: check_placement)
-            "runtime_env": {"env_vars": {} if use_gpu else {**vla.cpu_env(r.kv_cache_gib), **role_env(0)}},
+            "runtime_env": {"env_vars": replica_engine.engine_env(cfg)},
         },
         "max_ongoing_requests": ongoing_requests(cfg),
         "health_check_period_s": 10,

@@ -37,21 +37,21 @@ def test_score_per_source_and_all_by_hand():
     s = score(prompts, ks=[1, 2], threshold=1.0)
     assert set(s) == {"a", "b", "all"}
     # a: means 1/4 and 2/4 -> 0.375; pass@1: (1/4 + 2/4)/2; pass@2: (1/2 + 5/6)/2
-    assert s["a"]["mean@4"] == pytest.approx(0.375)
-    assert s["a"]["pass@1"] == pytest.approx(0.375)
-    assert s["a"]["pass@2"] == pytest.approx((0.5 + 5 / 6) / 2)
+    assert s["a"]["mean_at_4"] == pytest.approx(0.375)
+    assert s["a"]["pass_at_1"] == pytest.approx(0.375)
+    assert s["a"]["pass_at_2"] == pytest.approx((0.5 + 5 / 6) / 2)
     assert s["a"]["prompts"] == 2
     # b: means 0 and 3/4 -> 0.375; pass@1: (0 + 2/4)/2 = 0.25; pass@2: (0 + 5/6)/2
-    assert s["b"]["mean@4"] == pytest.approx(0.375)
-    assert s["b"]["pass@1"] == pytest.approx(0.25)
-    assert s["b"]["pass@2"] == pytest.approx(5 / 12)
+    assert s["b"]["mean_at_4"] == pytest.approx(0.375)
+    assert s["b"]["pass_at_1"] == pytest.approx(0.25)
+    assert s["b"]["pass_at_2"] == pytest.approx(5 / 12)
     # all four prompts
-    assert s["all"]["mean@4"] == pytest.approx(0.375)
-    assert s["all"]["pass@1"] == pytest.approx((0.25 + 0.5 + 0 + 0.5) / 4)
-    assert s["all"]["pass@2"] == pytest.approx((0.5 + 5 / 6 + 0 + 5 / 6) / 4)
+    assert s["all"]["mean_at_4"] == pytest.approx(0.375)
+    assert s["all"]["pass_at_1"] == pytest.approx((0.25 + 0.5 + 0 + 0.5) / 4)
+    assert s["all"]["pass_at_2"] == pytest.approx((0.5 + 5 / 6 + 0 + 5 / 6) / 4)
     assert s["all"]["prompts"] == 4
     # a lower threshold lets 0.5 pass: b's second prompt has c=4
-    assert score(prompts, [1], threshold=0.5)["b"]["pass@1"] == pytest.approx(0.5)
+    assert score(prompts, [1], threshold=0.5)["b"]["pass_at_1"] == pytest.approx(0.5)
 
 
 def test_score_refuses_uneven_groups_and_large_k():
@@ -75,12 +75,27 @@ def test_metric_names_and_ks():
     assert ks_for([8, 1, 2, 1], 4) == [1, 2]
 
 
+def test_the_record_and_the_tracker_name_each_score_alike():
+    """RESULT's and scores.json's names are MLflow's: `eval/<source>/<name>` for each name of the record."""
+    s = score([PromptRewards("arith", [1.0, 0.0, 0.0, 0.0])], [1, 4], 1.0)
+    assert set(s["arith"]) == {"mean_at_4", "pass_at_1", "pass_at_4", "prompts"}
+    items = metric_items(s, "eval")
+    assert {f"eval/{src}/{k}" for src, v in s.items() for k in v if k != "prompts"} == set(items)
+    assert not any("@" in name for name in items)
+
+
 def test_pass_at_k_per_prompt_by_hand():
     from app.evaluation.scores import per_prompt
 
     got = per_prompt([("a", [1.0, 0.0, 0.0, 1.0]), ("b", [0.0] * 4)], [1, 2, 4], 1.0)
-    assert got["a"] == {"passed": 2.0, "n": 4.0, "pass@1": 0.5, "pass@2": pytest.approx(5 / 6), "pass@4": 1.0}
-    assert got["b"] == {"passed": 0.0, "n": 4.0, "pass@1": 0.0, "pass@2": 0.0, "pass@4": 0.0}
+    assert got["a"] == {
+        "passed": 2.0,
+        "n": 4.0,
+        "pass_at_1": 0.5,
+        "pass_at_2": pytest.approx(5 / 6),
+        "pass_at_4": 1.0,
+    }
+    assert got["b"] == {"passed": 0.0, "n": 4.0, "pass_at_1": 0.0, "pass_at_2": 0.0, "pass_at_4": 0.0}
 
 
 def test_sub_score_means_over_the_samples_that_report_them():

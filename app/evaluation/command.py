@@ -5,18 +5,23 @@ weights   `eval.checkpoint` (app/evaluation/checkpoints.py): an HF folder, a run
           `model.path`.
 settings  a run's checkpoint brings the run's config (reward function, lengths, model dtype) unless
           `--config` is given; `key=value` overrides apply on top, as for `train`
-generate  the rollout deployment and the rollouter of training (app/driver.py), named `<ray.name>-eval`
-          so a training run on the same cluster keeps its own: `eval.n` samples of every prompt of
-          `eval.data` (else `data.val`), scored by the reward function as in validation
+generate  `eval.n` samples of every prompt of `eval.data` (else `data.val`), scored by the reward function
+          as in validation, where `eval.engine` says (`engine`):
+            local    one vLLM engine in this process, no Ray (app/evaluation/local.py): the default on one
+                     machine
+            cluster  the rollout deployment and the rollouter of training (app/driver.py), named
+                     `<ray.name>-eval` so a training run on the same cluster keeps its own
 report    `<run_dir>/<eval run>/generations.jsonl` (one line per sample) and `scores.json` (the scores per
           source, the reward's sub-scores, pass@k per prompt), an MLflow run
-          (`eval/<source>/mean_at_4`, `eval/<source>/pass_at_1`, ...) and the RESULT record
+          (`eval/<source>/mean_at_4`, `eval/<source>/pass_at_1`, ...) and the RESULT record, whose scores
+          carry the same names (`mean_at_4`, `pass_at_1`)
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +31,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from app.config import ALL_KEYS, ConfigError, ConfigFiles
-from app.evaluation import checkpoints
+from app.evaluation import checkpoints, local
 from app.evaluation.checkpoints import Weights
 from app.evaluation.scores import ALL, PromptRewards, metric_items, per_prompt, score, sub_score_means
 from app.preflight import load_config
@@ -42,6 +47,7 @@ NOT_INHERITED = (
     "tracking.run_name",
     "tracking.register_model",
     "ray.address",  # where the run was hosted: an evaluation runs where it is started (or RAY_ADDRESS)
+    "eval.engine",
     "eval.checkpoint",
     "eval.data",
 )
@@ -50,6 +56,12 @@ NOT_INHERITED = (
 def load(config_file: ConfigFiles, overrides: list[str]) -> DictConfig:
     """The evaluation's config: defaults < `config_file` (else, for a Relay run's weights, that run's config)
     < `overrides`. Raises ConfigError naming the key and the fix."""
+    cfg = _load(config_file, overrides)
+    engine(cfg)  # `eval.engine=local` with an environment that needs Serve: refused here
+    return cfg
+
+
+def _load(config_file: ConfigFiles, overrides: list[str]) -> DictConfig:
     cfg = load_config(config_file, overrides)
     found = checkpoints.run_config(cfg.eval.checkpoint) if cfg.eval.checkpoint and not config_file else None
     if found is None:
@@ -87,14 +99,42 @@ def _inherited(saved: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def engine(cfg: DictConfig) -> str:
+    """Where this evaluation generates: `eval.engine`, with `auto` resolved (`local` unless `ray.address` or
+    RAY_ADDRESS names a cluster, or `env.name` needs Serve). Raises ConfigError for `local` with an
+    environment that needs Serve."""
+    serve_env = _needs_serve(cfg.env.name)
+    if cfg.eval.engine == "local" and serve_env:
+        raise ConfigError(
+            f"eval.engine=local: env.name={cfg.env.name} needs Ray Serve (its environments talk to the "
+            "rollout through a served endpoint); use eval.engine=cluster (or auto)"
+        )
+    if cfg.eval.engine != "auto":
+        return str(cfg.eval.engine)
+    return "cluster" if cfg.ray.address or os.environ.get("RAY_ADDRESS") or serve_env else "local"
+
+
+def _needs_serve(env_name: str) -> bool:
+    """The environment kind deploys services beside the rollout deployment (app/envs/base.py `EnvKind`)."""
+    from app.envs import env_kind
+    from app.envs.base import EnvKind
+
+    kind = type(env_kind(env_name))
+    return kind.deploy is not EnvKind.deploy or kind.before_serve is not EnvKind.before_serve
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """One evaluation (see the module docstring); returns the RESULT record, raises where it failed."""
-    from app.driver import Inputs, open_run, check_machine, resolve_inputs, start_ray, teardown
+    from app.driver import Inputs, check_machine, resolve_inputs, start_ray, teardown
+    from app.run_folder import open_run
 
     t0 = time.time()
+    where = engine(cfg)
     check_machine(cfg)
     weights = checkpoints.locate(cfg.eval.checkpoint) if cfg.eval.checkpoint else None
     cfg = _settings(cfg, weights)
+    if where == "local":
+        cfg = local.settings(cfg)
     inputs = resolve_inputs(cfg)  # the model (built-in ones built), the prompt file checked: before Ray
     rec = open_run(cfg, None)
     status = "FAILED"
@@ -103,8 +143,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         model = inputs.model_path
         if weights is not None and not weights.hf:  # a sharded checkpoint of a run of that model
             model = str(checkpoints.export_hf(weights.path, model, rec.dir / "model", cfg.model.dtype))
-        started = start_ray(cfg)
-        groups = _generate(cfg, Inputs(model, [], inputs.val, inputs.columns))
+        log.info("eval.engine=%s: generating %s", cfg.eval.engine, _ENGINES[where])
+        if where == "local":
+            groups = local.generate(cfg, model, inputs.val, inputs.columns)
+        else:
+            started = start_ray(cfg)
+            groups = _generate(cfg, Inputs(model, [], inputs.val, inputs.columns))
         what = weights.what if weights is not None else "model.path"
         out = _report(cfg, rec, groups, {"model": model, "weights": what, "data": inputs.val})
         out["wall_s"] = round(time.time() - t0, 1)
@@ -112,8 +156,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return out
     finally:
         rec.close(status)
-        if started or _ray_up():
+        if where == "cluster" and (started or _ray_up()):
             teardown(cfg, started)
+
+
+_ENGINES = {
+    "local": "with one vLLM engine in this process (no Ray)",
+    "cluster": "on the rollout deployment (Ray Serve)",
+}
 
 
 def _ray_up() -> bool:
@@ -160,10 +210,7 @@ def _generate(cfg: DictConfig, inputs: Any) -> list[Group]:
     while not ray.wait([ref], timeout=1.0)[0]:
         if time.monotonic() > deadline:
             ray.cancel(ref)
-            raise TimeoutError(
-                f"the evaluation's generation did not finish within eval.timeout_s={cfg.eval.timeout_s:g}s; "
-                "raise it, or evaluate fewer prompts or samples (eval.n)"
-            )
+            raise local.timed_out(cfg.eval.timeout_s)
     return ray.get(ref)
 
 

@@ -7,7 +7,9 @@ Each prompt has n scored samples. Per source, over its prompts:
              averaged over the prompts; a sample passes when its reward >= the pass threshold. With c of n
              passing, the unbiased estimator (Chen et al. 2021, Codex) is 1 - C(n-c, k) / C(n, k).
 
-`all` holds the same over every prompt of every source. Pure Python: no torch, Ray or vLLM.
+`all` holds the same over every prompt of every source, each under its MLflow-safe name (`mean_at_4`,
+`pass_at_1`: MLflow refuses `@`), in the RESULT record, scores.json and the tracker alike. Pure Python: no
+torch, Ray or vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 ALL = "all"  # the key of the scores over every source together
+MEAN, PASS = "mean_at_", "pass_at_"  # mean@n as `mean_at_<n>`, pass@k as `pass_at_<k>`
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -39,17 +42,18 @@ class PromptRewards:
 
 
 def mean_key(n: int) -> str:
-    return f"mean@{n}"
+    return f"{MEAN}{n}"
 
 
 def pass_key(k: int) -> str:
-    return f"pass@{k}"
+    return f"{PASS}{k}"
 
 
 def score(
     prompts: Iterable[PromptRewards], ks: Sequence[int], threshold: float
 ) -> dict[str, dict[str, float]]:
-    """{source: {"mean@n": ..., "pass@k": ... for each k, "prompts": count}} plus the same under `all`.
+    """{source: {"mean_at_<n>": ..., "pass_at_<k>": ... for each k, "prompts": count}} plus the same under
+    `all`.
     Every prompt must have the same number n of samples, and every k must be in [1, n]."""
     by_source: dict[str, list[PromptRewards]] = defaultdict(list)
     n = None
@@ -84,10 +88,11 @@ def _passed(p: PromptRewards, threshold: float) -> int:
 
 
 def metric_items(scores: dict[str, dict[str, float]], prefix: str) -> dict[str, float]:
-    """Flat metric names for a tracker: `{prefix}/{source}/mean_at_4`, `{prefix}/{source}/pass_at_1` (MLflow
-    refuses `@` in a name; other characters it refuses are replaced by the tracker)."""
+    """Flat metric names for a tracker: `{prefix}/{source}/mean_at_4`, `{prefix}/{source}/pass_at_1`: the
+    names of `score`'s record (other characters MLflow refuses, in a source's name, are replaced by the
+    tracker)."""
     return {
-        f"{prefix}/{src}/{name.replace('@', '_at_')}": value
+        f"{prefix}/{src}/{name}": value
         for src, values in scores.items()
         for name, value in values.items()
         if name != "prompts"
@@ -112,7 +117,7 @@ def sub_score_means(extras: Iterable[dict[str, float]], prefix: str = "") -> dic
 def per_prompt(
     prompts: Iterable[tuple[str, Sequence[float]]], ks: Sequence[int], threshold: float
 ) -> dict[str, dict[str, float]]:
-    """{uid: {"passed": c, "n": n, "pass@k": ... for each k <= n}} for each prompt's sample rewards: which
+    """{uid: {"passed": c, "n": n, "pass_at_<k>": ... for each k <= n}} for each prompt's sample rewards: which
     problems a model solves (HumanEval's per-problem pass@k), beside `score`'s means over them."""
     out: dict[str, dict[str, float]] = {}
     for uid, rewards in prompts:

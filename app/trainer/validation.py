@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from app.evaluation.scores import ALL, metric_items
+from app.evaluation.scores import ALL, MEAN, mean_key, metric_items
 from app.records import ValResult
 from app.trainer.comm import Actors
 
@@ -79,13 +79,13 @@ def per_source(scores: dict[str, dict[str, float]]) -> dict[str, float]:
     """mean@n and pass@k per data source as `val/<source>/mean_at_4`, `val/<source>/pass_at_1`, ...: where
     they say more than `val/reward` (several samples per prompt, or several sources)."""
     sources = [s for s in scores if s != ALL]
-    several_samples = any(k != "mean@1" and k.startswith("mean@") for v in scores.values() for k in v)
+    several_samples = any(k != mean_key(1) and k.startswith(MEAN) for v in scores.values() for k in v)
     if not (several_samples or len(sources) > 1):
         return {}
     return metric_items(scores, "val")
 
 
 def summary(values: dict[str, float]) -> str:
-    """`mean@4 0.375, pass@1 0.375 (2 prompts)`."""
+    """`mean_at_4 0.375, pass_at_1 0.375 (2 prompts)`."""
     named = ", ".join(f"{k} {v:.3f}" for k, v in values.items() if k != "prompts")
     return f"{named} ({values.get('prompts', 0):.0f} prompts)"

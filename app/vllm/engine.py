@@ -155,6 +155,9 @@ def create_engine(
         # vLLM's own statistics go to a Prometheus registry nothing serves here (Relay's metrics are Ray's),
         # and cost the replica's event loop over a third of its busy time in the loop (profiled at 1.5B on an H100)
         disable_log_stats=True,
+        # no weight-loading bar where TQDM_DISABLE is set (app/__main__.py: a log, not a terminal); vLLM
+        # passes its own `disable` to tqdm, which then ignores the variable
+        use_tqdm_on_load=os.environ.get("TQDM_DISABLE", "").strip().lower() in ("", "0", "false"),
     )
     if use_gpu:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
