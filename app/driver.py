@@ -24,11 +24,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from app import preflight
 from app import tasks as builtin_tasks
-from app.config import ConfigError, data_files, flatten, to_container
+from app.config import ConfigError, data_files, to_container
 from app.envs import env_kind
 from app.model_check import check_model_type
 from app.model_path import resolve_model_path
 from app.rollout.prompt_files import Columns, PromptRow, check_file, load_rows, uid_prefix
+from app.run_folder import RunFolder, open_run
 
 log = logging.getLogger("app.driver")
 
@@ -185,12 +186,16 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
 
 def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
     """The run itself: its folder and MLflow run, Ray, the roles, the loop. Returns the RESULT record."""
+    from app.rewards.by_source import name_rewards
     from app.serve_rollout import app_name
     from app.trainer import resume_check
 
     inputs, resume, t0 = prepared.inputs, prepared.resume, prepared.t0
-    rec = open_run(cfg, resume)
+    rewards = name_rewards(cfg, inputs.train + inputs.val, inputs.columns)  # reward.fn=auto's picks, logged
+    rec = open_run(cfg, resume)  # a resume continues its run folder and MLflow run: app/run_folder.py
     (rec.dir / resume_check.IDENTITY).write_text(json.dumps(prepared.identity))  # each checkpoint keeps one
+    if rewards:
+        rec.tracker.tags({"relay.rewards": json.dumps(rewards)})
     started = start_ray(cfg)
     status = "FAILED"
     try:
@@ -205,63 +210,6 @@ def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
     finally:
         rec.close(status)
         teardown(cfg, started)
-
-
-@dataclass
-class _Run:
-    """One run's name, folder (locked while the run lives: app/infra/run_lock.py) and MLflow run."""
-
-    name: str
-    dir: Path
-    uri: str
-    tracker: Any
-    lock: Any = None
-
-    def close(self, status: str) -> None:
-        """End the MLflow run (its queued calls flushed within a deadline), then free the run folder."""
-        try:
-            self.tracker.end(status)
-        finally:
-            if self.lock is not None:
-                self.lock.release()
-
-
-def open_run(cfg: DictConfig, resume: str | None) -> _Run:
-    """The run folder under `run_dir` (durable: app/infra/storage.py) with its config, and its MLflow run."""
-    from app.infra.run_lock import RunLock, new_run_name
-    from app.infra.storage import resolve_run_dir
-    from app.infra.tracking import METRICS_FILE, Tracker, artifact_root, default_uri
-
-    name = cfg.tracking.run_name or new_run_name()  # unique also for runs started in the same second
-    root = resolve_run_dir(cfg.run_dir)
-    run_dir = root / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock.acquire(run_dir)  # a live run with this name: refused here, naming it
-    try:
-        if (run_dir / "ray_train").exists() and not resume:
-            # Ray Train would quietly continue the earlier run's checkpoints under this name
-            raise FileExistsError(
-                f"{run_dir} already holds a run named {name!r}: continue it with `--resume {run_dir}`, or "
-                "give this run another tracking.run_name (or run_dir)"
-            )
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-        uri = cfg.tracking.uri or default_uri(str(root))
-        artifacts = artifact_root(cfg.tracking.artifact_uri, uri, root)  # not the working directory's mlruns
-        tracker = Tracker.start(  # unreachable: fails
-            uri, cfg.tracking.experiment, name, flatten(cfg), artifacts, jsonl=run_dir / METRICS_FILE
-        )
-    except BaseException:
-        lock.release()
-        raise
-    tracker.artifact(str(run_dir / "config.yaml"))
-    if resume:
-        tracker.tags({"relay.resumed_from": resume})
-        log.info("resuming from checkpoint %s", resume)
-    watch = uri if uri.startswith("http") else f"mlflow ui --backend-store-uri {uri}"
-    metrics = run_dir / METRICS_FILE
-    log.info("run %s: MLflow run %s (watch: %s); metrics also in %s", name, tracker.run_id, watch, metrics)
-    tracker.start_system_metrics()
-    return _Run(name=name, dir=run_dir, uri=uri, tracker=tracker, lock=lock)
 
 
 def _plan_resources(cfg: DictConfig) -> DictConfig:
@@ -400,7 +348,7 @@ def failure_reason(app_status: Any) -> str:
     return "; ".join([str(app_status.message), *reasons]) if reasons else str(app_status.message)
 
 
-def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | None) -> Any:
+def _build_trainer(cfg: DictConfig, inputs: Inputs, run: RunFolder, resume: str | None) -> Any:
     """The TorchTrainer whose workers run app/train_loop.py's loop."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -445,7 +393,7 @@ def _build_trainer(cfg: DictConfig, inputs: Inputs, run: _Run, resume: str | Non
     )
 
 
-def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float, watch: Callable[[], None]) -> Any:
+def _fit(trainer: Any, hub: Any, control: Any, run: RunFolder, t0: float, watch: Callable[[], None]) -> Any:
     """`trainer.fit()` with the clean stop on SIGINT/SIGTERM; the weight group's membership history saved
     (who joined when, at which version, who left); a stall raises StallError with the watchdog's report."""
     import ray
@@ -476,7 +424,7 @@ def _fit(trainer: Any, hub: Any, control: Any, run: _Run, t0: float, watch: Call
     return result
 
 
-def _collect(result: Any, run: _Run, t0: float) -> dict[str, Any]:
+def _collect(result: Any, run: RunFolder, t0: float) -> dict[str, Any]:
     """The RESULT record from the trainer's summary.json, with the run's wall time logged to MLflow."""
     summary = run.dir / "summary.json"
     if not summary.exists():

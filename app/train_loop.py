@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from app.infra.log_filters import configure_logging
 from app.plugins import resolve
 from app.records import Batch
 from app.sync import TrainerSync
@@ -79,7 +80,8 @@ def begin(t: Trainer, st: RunState) -> None:
     t.monitor.phase("waiting for the first rollout replica to register")
     waited = t.sync.wait_for_rollout(t.cfg.rollout.join_timeout_s)
     if waited > 1:
-        log.info("the first rollout replica registered after %.1fs", waited)
+        level = logging.INFO if t.lead else logging.DEBUG  # one line a run, not one a rank
+        log.log(level, "the first rollout replica registered after %.1fs", waited)
     push_version(t, st, "the first weights", notify=False)
     if t.lead:
         if st.restored_from is None or st.val_last is None:
@@ -276,10 +278,9 @@ def finish(t: Trainer, st: RunState) -> None:
 
 def publish(t: Trainer, final: Path) -> None:
     """Rank 0: the final model (`final/`, the name it has on disk), the accounting log and the sampled
-    rollouts to the tracker (and the model to its registry)."""
-    t.tracker.artifact(str(final), final.name)
-    if t.cfg.tracking.register_model:
-        t.tracker.register(final.name, t.cfg.tracking.register_model)
+    rollouts to the tracker (the model copied or referenced by `tracking.log_model`, and registered)."""
+    tr = t.cfg.tracking
+    t.tracker.log_model(final, tr.log_model, tr.log_model_max_mb, tr.register_model)
     for path in (t.accounting.path, t.rollouts.path):
         if path.exists():
             t.tracker.artifact(str(path))
@@ -309,7 +310,7 @@ def train_worker(config: dict[str, Any]) -> None:
     """Entry point of every Ray Train worker (see app/driver.py for what `config` holds)."""
     from omegaconf import OmegaConf
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()  # log_level (RELAY_LOG_LEVEL) in this worker: DEBUG shows each push's phases
     t = build(OmegaConf.create(config["cfg"]), config)
     try:
         run(t, restore_or_start(t, config.get("resume")))
@@ -326,6 +327,7 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
     """This worker's learner (its FSDP2 shard), weight sync, batch source and, on rank 0, the loggers."""
     from app.infra.metrics import trainer_metrics
     from app.infra.tracking import METRICS_FILE, Tracker
+    from app.run_folder import trainer_sinks
 
     torch.manual_seed(cfg.train.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
@@ -335,7 +337,14 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
     lead = learner.rank == 0
     run_dir = Path(config["run_dir"])
     tracker = (
-        Tracker(config["tracking_uri"], config["run_id"], jsonl=run_dir / METRICS_FILE) if lead else None
+        Tracker(
+            config["tracking_uri"],
+            config["run_id"],
+            jsonl=run_dir / METRICS_FILE,
+            sinks=trainer_sinks(cfg, run_dir),  # tracking.sinks: TensorBoard, W&B
+        )
+        if lead
+        else None
     )
     prom = trainer_metrics()
     return Trainer(

@@ -1,6 +1,7 @@
 """app/infra/tracking.py without Ray: the background writer against a real SQLite store, against an HTTP server
 that dies (calls return at once, drops counted) and against a real `mlflow server` SIGKILLed mid-run, name
-sanitising, the start probe, concurrent store creation."""
+sanitising, the start probe, concurrent store creation; the final model copied or referenced
+(`tracking.log_model`) and registered; a run reopened; TensorBoard and W&B sinks fed by the same calls."""
 
 from __future__ import annotations
 
@@ -19,15 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from app.infra import tracking
-from app.infra.tracking import (
-    METRICS_FILE,
-    MetricNames,
-    Tracker,
-    TrackingError,
-    check_reachable,
-    safe_metric_name,
-)
+from app.infra import tracking, tracking_store
+from app.infra.tracking import METRICS_FILE, MetricNames, Tracker, safe_metric_name
+from app.infra.tracking_store import TrackingError, check_reachable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -279,12 +274,12 @@ def test_artifacts_land_under_run_dir_not_the_working_directory(tmp_path, monkey
     process that creates it. Checked through MLflow's client."""
     from mlflow.tracking import MlflowClient
 
-    from app.infra.tracking import artifact_root
+    from app.infra.tracking_store import artifact_root
 
     root, work = tmp_path / "runs", tmp_path / "job-copy"
     work.mkdir()
     monkeypatch.chdir(work)
-    uri = tracking.default_uri(str(root))
+    uri = tracking_store.default_uri(str(root))
     t = Tracker.start(uri, "exp", "run-art", {}, artifact_root("", uri, root))
     t.text("hello", "notes/hello.txt")
     assert t.end("FINISHED")
@@ -293,7 +288,7 @@ def test_artifacts_land_under_run_dir_not_the_working_directory(tmp_path, monkey
     assert (Path(art.removeprefix("file://")) / "notes" / "hello.txt").read_text() == "hello"
     assert list(work.iterdir()) == []  # nothing in the working directory
     # an experiment created elsewhere keeps its location (MLflow fixes it at creation): said, not hidden
-    with caplog.at_level(logging.WARNING, logger="app.infra.tracking"):
+    with caplog.at_level(logging.WARNING, logger="app.infra.tracking_store"):
         Tracker.start(uri, "exp", "run-art2", {}, str(tmp_path / "elsewhere")).end()
     assert any("another tracking.experiment" in r.message for r in caplog.records)
     # tracking.artifact_uri wins; a tracking server keeps its own default
@@ -399,3 +394,240 @@ def test_real_mlflow_server_killed_mid_run_costs_no_step_and_counts_the_drops(tm
     messages = [r.getMessage() for r in caplog.records]
     assert any("retrying in the background, training goes on" in m for m in messages)
     assert any("16 tracking calls of this process were dropped" in m for m in messages), messages
+
+
+# ------------------------------------------------------------------ the final model (tracking.log_model)
+
+
+def _model_folder(path: Path, kb: int) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"\0" * kb * 1024)
+    return path
+
+
+def test_final_model_is_copied_under_the_limit_else_referenced_and_registered_either_way(tmp_path):
+    """auto copies a small model into the run's artifacts and registers the copy; a model over
+    `log_model_max_mb` is only referenced (its path in `relay.final_model`, nothing copied) and registered
+    from its folder; off leaves the run without either."""
+    from mlflow.tracking import MlflowClient
+
+    uri = _sqlite(tmp_path)
+    client = MlflowClient(uri)
+    final = _model_folder(tmp_path / "run" / "final", 64)  # 0.07 MB
+    arts = str(tmp_path / "mlartifacts")
+
+    small = Tracker.start(uri, "exp", "small", {}, arts)
+    assert small.log_model(final, "auto", 1.0, "relay-small") == "copy"
+    assert small.end()
+    got = {a.path for a in client.list_artifacts(small.run_id, "final")}
+    assert got == {"final/config.json", "final/model.safetensors"}
+    (mv,) = client.search_model_versions("name='relay-small'")
+    assert mv.source == f"runs:/{small.run_id}/final"
+
+    big = Tracker.start(uri, "exp", "big", {}, arts)
+    assert big.log_model(final, "auto", 0.05, "relay-big") == "reference"
+    assert big.end()
+    run = client.get_run(big.run_id)
+    assert run.data.tags["relay.final_model"] == str(final.resolve())
+    assert run.data.tags["relay.final_model_logged"] == "reference"
+    assert client.list_artifacts(big.run_id) == []  # no second copy
+    (mv,) = client.search_model_versions("name='relay-big'")
+    assert mv.source == str(final.resolve())
+
+    off = Tracker.start(uri, "exp", "off", {}, arts)
+    assert off.log_model(final, "off", 1e6) == "off"
+    assert off.end()
+    assert "relay.final_model" not in client.get_run(off.run_id).data.tags
+    assert client.list_artifacts(off.run_id) == []
+    # a tracking server registers only what its artifacts hold: auto copies whatever the size
+    assert tracking.model_logging("auto", final, 0.05, needs_copy=True) == "copy"
+    assert tracking.model_logging("copy", final, 0.0) == "copy"
+
+
+def test_log_model_settings_that_cannot_register_are_refused_at_load():
+    from app.config import ConfigError, load_config
+
+    assert load_config(None, []).tracking.log_model == "auto"
+    with pytest.raises(ConfigError, match="tracking.log_model.*no model to register"):
+        load_config(None, ["tracking.register_model=m", "tracking.log_model=off"])
+    server = ["tracking.uri=http://127.0.0.1:5000", "tracking.register_model=m"]
+    with pytest.raises(ConfigError, match="a server registers only models in its artifacts"):
+        load_config(None, [*server, "tracking.log_model=reference"])
+    load_config(None, [*server, "tracking.log_model=auto"])  # auto copies there
+    load_config(None, ["tracking.register_model=m", "tracking.log_model=reference"])  # a local store: fine
+
+
+# ------------------------------------------------------------------ a reopened run
+
+
+def test_a_reopened_run_is_running_again_and_goes_on_at_its_steps(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = _sqlite(tmp_path)
+    client = MlflowClient(uri)
+    first = Tracker.start(uri, "exp", "r", {"train.lr": 0.001, "train.resume": ""})
+    for step in (1, 2):
+        first.metrics({"loss": 1.0 / step}, step)
+    assert first.end("FAILED")
+    params = {"train.lr": 0.001, "train.resume": "/ckpt", "train.steps": 9}
+    again = Tracker.start(uri, "exp", "r", params, reopen=first.run_id)
+    assert again.reopened and again.run_id == first.run_id
+    assert client.get_run(first.run_id).info.status == "RUNNING"
+    again.metrics({"loss": 0.25}, 3)
+    assert again.end("FINISHED")
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(first.run_id, "loss")] == [1, 2, 3]
+    assert run.data.params["train.steps"] == "9" and run.data.params["train.resume"] == ""  # MLflow keeps it
+    assert json.loads(run.data.tags["relay.params_changed"]) == {"train.resume": "/ckpt"}
+    gone = Tracker.start(uri, "exp", "r", {}, reopen="0" * 32)  # a run this store does not have: a new one
+    assert not gone.reopened and gone.run_id != first.run_id
+    assert gone.end()
+
+
+# ------------------------------------------------------------------ sinks beside MLflow (tracking.sinks)
+
+
+def test_tensorboard_gets_what_mlflow_and_metrics_jsonl_get(tmp_path):
+    """The same `metrics` calls reach MLflow, metrics.jsonl and a TensorBoard event file, read back with
+    TensorBoard's own reader."""
+    pytest.importorskip("tensorboard")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from app.infra.tracking_sinks import TENSORBOARD_DIR, open_sinks
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sinks = open_sinks(["tensorboard"], run_dir, "exp", "w0")
+    uri = _sqlite(tmp_path)
+    t = Tracker.start(uri, "exp", "tb", {}, jsonl=run_dir / METRICS_FILE, sinks=sinks)
+    t.metrics({"reward/mean": 0.5, "loss": 2.0, "skip": math.nan}, 1)
+    t.metrics({"reward/mean": 0.75}, 2)
+    assert t.end()
+    acc = EventAccumulator(str(run_dir / TENSORBOARD_DIR))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["loss", "reward/mean"]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.5), (2, 0.75)]
+    history = MlflowClient(uri).get_metric_history(t.run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
+    assert len((run_dir / METRICS_FILE).read_text().splitlines()) == 2
+
+
+class _FailingSink:
+    """A sink whose every call fails, as a full disk or a lost W&B service would."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def log(self, values: dict, step: int) -> None:
+        self.calls += 1
+        raise OSError("No space left on device")
+
+    def release(self) -> None:
+        raise OSError("No space left on device")
+
+    close = release
+
+
+def test_a_failing_sink_is_warned_about_once_and_never_stops_a_step(tmp_path, caplog):
+    from mlflow.tracking import MlflowClient
+
+    from app.infra.tracking_sinks import Sinks
+
+    uri = _sqlite(tmp_path)
+    bad = _FailingSink()
+    t = Tracker.start(uri, "exp", "flaky", {}, sinks=Sinks([bad]))
+    with caplog.at_level(logging.WARNING, logger="app.infra.tracking_sinks"):
+        for step in range(1, 4):
+            t.metrics({"loss": 1.0}, step)
+        assert t.end()
+    assert bad.calls == 3  # still fed: a failure may pass
+    warned = [r.getMessage() for r in caplog.records if "flaky" in r.getMessage()]
+    assert len(warned) == 1 and "training goes on" in warned[0], warned
+    assert len(MlflowClient(uri).get_metric_history(t.run_id, "loss")) == 3  # MLflow unaffected
+
+
+def test_sinks_config_names_the_missing_package_and_keeps_mlflow():
+    from app.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="mlflow among them"):
+        load_config(None, ["tracking.sinks=[tensorboard]"])
+    with pytest.raises(ConfigError, match="at most once"):
+        load_config(None, ["tracking.sinks=[mlflow,mlflow]"])
+    for sink in ("wandb", "tensorboard"):
+        import importlib.util
+
+        if importlib.util.find_spec(sink) is None:
+            with pytest.raises(ConfigError, match=f"pip install {sink}"):
+                load_config(None, [f"tracking.sinks=[mlflow,{sink}]"])
+        else:
+            assert load_config(None, [f"tracking.sinks=[mlflow,{sink}]"]).tracking.sinks == ["mlflow", sink]
+
+
+def test_a_sink_whose_package_is_missing_fails_at_start_naming_pip_install(tmp_path, monkeypatch):
+    from app.infra.tracking_sinks import SinkError, open_sinks
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as on a node without it: `import wandb` fails
+    with pytest.raises(SinkError, match="pip install wandb"):
+        open_sinks(["wandb"], tmp_path, "exp", "w1")
+
+
+class _StandInWandb:
+    """Stands in for the `wandb` package where it is not installed: records what W&B would be asked."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.inits: list[dict] = []
+        self.logged: list[dict] = []
+        self.defined: list[tuple] = []
+        self.finished = 0
+        self.fail = fail
+
+    def init(self, **kw):
+        if self.fail is not None:
+            raise self.fail
+        self.inits.append(kw)
+        return self
+
+    def define_metric(self, *args, **kw) -> None:
+        self.defined.append((args, kw))
+
+    def log(self, values: dict) -> None:
+        self.logged.append(values)
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def test_wandb_run_is_opened_at_start_then_handed_over_and_logged_against_relay_step(tmp_path, monkeypatch):
+    """The driver opens the W&B run at start (a login problem fails there, naming the fix), lets it go for
+    the trainer, which opens the same id (resume allowed) and logs each step against `relay/step`."""
+    from app.infra.tracking_sinks import STEP_KEY, SinkError, open_sinks
+
+    w = _StandInWandb()
+    monkeypatch.setitem(sys.modules, "wandb", w)
+    driver = open_sinks(["wandb"], tmp_path / "run-a", "exp", "abc123", {"train.lr": 0.001})
+    assert w.inits == [
+        {
+            "project": "exp",
+            "name": "run-a",
+            "id": "abc123",
+            "resume": "allow",
+            "dir": str(tmp_path / "run-a"),
+            "config": {"train.lr": 0.001},
+        }
+    ]
+    assert (("*",), {"step_metric": STEP_KEY}) in w.defined
+    driver.release()
+    assert w.finished == 1
+    trainer = open_sinks(["wandb"], tmp_path / "run-a", "exp", "abc123")
+    trainer.log({"loss": 2.0}, 7)
+    trainer.close()
+    assert w.inits[-1]["id"] == "abc123" and w.inits[-1]["config"] is None
+    assert w.logged == [{"loss": 2.0, STEP_KEY: 7}] and w.finished == 2
+    monkeypatch.setitem(sys.modules, "wandb", _StandInWandb(fail=RuntimeError("api_key not configured")))
+    with pytest.raises(SinkError, match="wandb login"):
+        open_sinks(["wandb"], tmp_path / "run-b", "exp", "def456")

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from app.config.base import _SHARE, _TIMEOUT, Range, _Section, require, rng
+
+EvalEngine = Literal["auto", "local", "cluster"]
+LogModel = Literal["auto", "copy", "reference", "off"]
+SINKS = ("mlflow", "tensorboard", "wandb")
 
 
 @dataclass
@@ -100,12 +105,58 @@ class TrackingConfig(_Section):
     reward and sub-scores, finish reason, the versions that sampled it), drawn at random (seeded); logged to
     MLflow at the end. 0: none."""
     register_model: str = ""
-    """If set, register the final checkpoint in the MLflow model registry under this name (a new version)."""
+    """If set, register the final model (`<run folder>/final`) in the MLflow model registry under this name (a
+    new version): the copy in the run's artifacts, or with log_model=reference the folder itself (a local store
+    only: a tracking server registers models from its artifacts)."""
+    log_model: LogModel = "auto"
+    """What the MLflow run keeps of the final model `<run folder>/final`: `copy` (into the run's artifacts: a
+    second full copy, ~15 GB for a 7B model), `reference` (nothing copied: the folder's path in the run's tag
+    `relay.final_model`), `auto` (a copy under log_model_max_mb, else a reference; a copy where register_model
+    registers it on a tracking server) or `off`."""
+    log_model_max_mb: float = 1024.0
+    """With log_model=auto: the largest final model (MB on disk) copied into MLflow's artifacts."""
+    sinks: list[str] = field(default_factory=lambda: ["mlflow"])
+    """Where the metrics go besides `<run folder>/metrics.jsonl`: `mlflow` (always), `tensorboard` (event files
+    in `<run folder>/tensorboard`; `pip install tensorboard`), `wandb` (a W&B run in project `experiment`,
+    named after the run folder, continued by `--resume`; `pip install wandb`, then `wandb login` or
+    WANDB_MODE=offline). E.g. `tracking.sinks=[mlflow,tensorboard]`."""
 
     _RANGES: ClassVar[dict[str, Range]] = {
         "log_samples": rng(">= 0", "0: no sample table"),
         "rollouts_per_step": rng(">= 0", "0: no rollouts.jsonl"),
+        "log_model_max_mb": rng(">= 0", "0: auto never copies"),
     }
+
+    def check(self, prefix: str) -> None:
+        super().check(prefix)
+        sinks = list(self.sinks)
+        require(
+            f"{prefix}sinks",
+            "mlflow" in sinks and all(s in SINKS for s in sinks) and len(set(sinks)) == len(sinks),
+            f"{sinks}; give each of {', '.join(SINKS)} at most once, mlflow among them (the run's record: "
+            f"checkpoints' lineage, the registry), e.g. {prefix}sinks=[mlflow,tensorboard]",
+        )
+        for sink in sinks:
+            require(
+                f"{prefix}sinks",
+                sink == "mlflow" or importlib.util.find_spec(sink) is not None,
+                f"{sinks}: the {sink} package is not installed: pip install {sink} (or pip install "
+                f"'relay-rl[{sink}]'), or drop {sink}",
+            )
+        if self.register_model:
+            require(
+                f"{prefix}log_model",
+                self.log_model != "off",
+                f"off with {prefix}register_model={self.register_model!r}: there is no model to register; set "
+                f"{prefix}log_model=auto (or copy, reference), or leave {prefix}register_model empty",
+            )
+            server = self.uri.split("://", 1)[0] in ("http", "https", "databricks")
+            require(
+                f"{prefix}log_model",
+                not (server and self.log_model == "reference"),
+                f"reference with {prefix}register_model on the tracking server {self.uri}: a server registers "
+                f"only models in its artifacts; set {prefix}log_model=copy (or auto), or register by hand",
+            )
 
 
 @dataclass
@@ -126,7 +177,13 @@ class EvalConfig(_Section):
     pass_threshold: float = 1.0
     """A sample passes (for pass@k) when its reward is at least this."""
     timeout_s: float = 3600.0
-    """Deadline of the generation of `python -m app eval` (all prompts, once the replicas serve)."""
+    """Deadline of the generation of `python -m app eval` (all prompts, once the engine or replicas serve)."""
+    engine: EvalEngine = "auto"
+    """Where `python -m app eval` generates. `local`: one vLLM engine in the eval process, no Ray (the rollout
+    replica's engine settings and seeds, the rewards scored in local processes: `reward.workers` is not
+    used); `cluster`: the rollout deployment and rollouter of training on Ray (`rollout.*` replicas, several
+    in parallel); `auto`: `local` unless `ray.address` or RAY_ADDRESS names a cluster, or `env.name` needs
+    Serve (the OpenAI endpoint of `openai_agent`)."""
     val_n: int = 1
     """Samples per prompt at each validation in training; above 1 (with algorithm.val_temperature > 0),
     mean@n and pass@k of `k` are logged per data source (`val/<source>/pass_at_1`, ...)."""

@@ -1,11 +1,7 @@
 """MLflow tracking that never holds training; a tracking store that does not work fails the run at start.
 
-start     before Ray starts: an HTTP tracking URI is probed (a few seconds), the experiment and the run are
-          created (a local SQLite store under a file lock: concurrent runs share `run_dir`/mlflow.db, and
-          two first runs would otherwise race creating and migrating it). A failure raises, naming the URI.
-          The experiment is created with an explicit artifact location (`artifact_root`: under `run_dir`
-          for a local store): MLflow's default is `./mlruns` of the process that creates it, which under
-          `ray job submit --working-dir` is Ray's temporary copy of the working directory.
+start     before Ray starts (app/infra/tracking_store.py): the store probed, the experiment and the run created,
+          or the run of a resumed run folder reopened. A failure raises TrackingError, naming the URI.
 calls     `metrics`, `tags`, `artifact`, `table`, `text`, `reward_curve` only queue the call and return at
           once. One background thread ("relay-tracking") writes them in order. A call that fails for a
           reason that may pass (connection, timeout, 5xx, a locked database) is retried with backoff
@@ -17,6 +13,11 @@ calls     `metrics`, `tags`, `artifact`, `table`, `text`, `reward_curve` only qu
 names     metric names are made safe for MLflow (`safe_metric_name`); a renamed one is warned about once
           and the mapping kept in the run's tag `relay.renamed_metrics`. A batch MLflow still rejects is
           written one metric at a time, so one bad metric never drops the others.
+sinks     each `metrics` call also goes to the run folder's metrics.jsonl (`MetricsFile`) and to the other
+          sinks of `tracking.sinks` (TensorBoard, W&B: app/infra/tracking_sinks.py), on the caller's thread:
+          each only queues, and none raises.
+model     `log_model`: the final model copied into the run's artifacts, or its folder's path kept in the tag
+          `relay.final_model` (`tracking.log_model`; a 7B model is ~15 GB more as a copy), and registered.
 end       `close` (trainer) and `end` (driver, also sets the run's status) flush the queue within
           FLUSH_TIMEOUT_S, giving up after FLUSH_GIVE_UP_S of failures: a dead server costs the run's end
           seconds, not minutes; what is left is counted as dropped.
@@ -25,24 +26,31 @@ end       `close` (trainer) and `end` (driver, also sets the run's status) flush
 from __future__ import annotations
 
 import collections
-import http.client
 import json
 import logging
 import math
 import numbers
 import os
 import re
-import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from app.infra.tracking_sinks import Sinks
+from app.infra.tracking_store import (
+    SERVER_SCHEMES,
+    TrackingError,
+    check_reachable,
+    create_run,
+    http_defaults,
+    reopen_run,
+    store_lock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +60,8 @@ BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
 WARN_EVERY_S = 60.0
 FLUSH_TIMEOUT_S = 600.0  # a final checkpoint upload to a live server may take minutes
 FLUSH_GIVE_UP_S = 20.0
-PROBE_TIMEOUT_S = 5.0
-STORE_LOCK_TIMEOUT_S = 120.0
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 MAX_BATCH = 1000  # metrics per log_batch request
-# MLflow's defaults (7 retries, backoff factor 2, 120 s timeout) hold one call about 4 minutes on a dead server
-HTTP_ENV = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
-}
 # errors MLflow answers for the request itself: retrying sends the same request to the same answer
 _PERMANENT = {
     "INVALID_PARAMETER_VALUE",
@@ -76,73 +75,6 @@ _PERMANENT = {
     "ENDPOINT_NOT_FOUND",
 }
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /:]")
-
-
-class TrackingError(RuntimeError):
-    """The tracking store cannot be used at start; the message names the URI and the fix."""
-
-
-def default_uri(run_dir: str) -> str:
-    path = Path(run_dir).expanduser().resolve() / "mlflow.db"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{path}"
-
-
-def artifact_root(artifact_uri: str, tracking_uri: str, run_root: Path) -> str | None:
-    """Where a new experiment keeps its runs' artifacts: `tracking.artifact_uri` where set (a path is made
-    absolute, `~` expanded); for a local store (SQLite, a folder) `<run_dir>/mlartifacts`, beside the store and
-    the checkpoints; None for a tracking server (its own default: proxied artifacts or its
-    `--default-artifact-root`)."""
-    if artifact_uri:
-        if "://" in artifact_uri:
-            return artifact_uri
-        return str(Path(artifact_uri).expanduser().resolve())
-    if urlparse(tracking_uri).scheme in ("http", "https", "databricks"):
-        return None
-    return str(Path(run_root).expanduser().resolve() / "mlartifacts")
-
-
-def http_defaults() -> None:
-    """MLflow's HTTP retries and timeout, low (HTTP_ENV), unless the environment sets them."""
-    for k, v in HTTP_ENV.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-
-
-def check_reachable(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Raise TrackingError unless an HTTP(S) tracking URI answers within `timeout_s` (any HTTP answer, an
-    error status included, counts: the server is there). Other URIs are not probed."""
-    if urlparse(uri).scheme not in ("http", "https"):
-        return
-    url = uri.rstrip("/") + "/health"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s):
-            return
-    except urllib.error.HTTPError:
-        return
-    except (OSError, http.client.HTTPException) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, ssl.SSLError):
-            return  # a server answers; TLS settings are MLflow's (MLFLOW_TRACKING_INSECURE_TLS, ...)
-        raise TrackingError(
-            f"tracking.uri={uri}: no MLflow server answers there ({type(reason).__name__}: {reason}; probed "
-            f"{url} for {timeout_s:.0f} s). Start the server (e.g. `mlflow server --host 127.0.0.1 --port "
-            "5000`), correct tracking.uri, or leave tracking.uri empty for a local SQLite store under run_dir"
-        ) from e
-
-
-@contextmanager
-def store_lock(uri: str, timeout_s: float = STORE_LOCK_TIMEOUT_S) -> Iterator[None]:
-    """For a SQLite store, a file lock beside the database (`mlflow.db.lock`) while it is created, migrated
-    and written at a run's start; nothing for other stores."""
-    from app.infra.run_lock import file_lock
-
-    path = uri[len("sqlite:///") :].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
-    if not path or path == ":memory:":
-        yield
-        return
-    with file_lock(Path(path + ".lock"), timeout_s):
-        yield
 
 
 def safe_metric_name(name: str) -> str:
@@ -359,16 +291,23 @@ class Tracker:
     """One MLflow run, written through a BackgroundWriter (usable from any process that knows the run id).
     With `jsonl` (the run folder's `metrics.jsonl`), every `metrics` call is also appended there as one JSON
     line, `{"step": ..., "time": ..., name: value, ...}` (the names as given, before MLflow's renaming): the
-    run's numbers without MLflow, for `jq` or pandas."""
+    run's numbers without MLflow, for `jq` or pandas; `sinks` (TensorBoard, W&B) get the same numbers."""
 
     def __init__(
-        self, uri: str, run_id: str, queue_size: int = QUEUE_SIZE, jsonl: str | Path | None = None
+        self,
+        uri: str,
+        run_id: str,
+        queue_size: int = QUEUE_SIZE,
+        jsonl: str | Path | None = None,
+        sinks: Sinks | None = None,
     ) -> None:
         from mlflow.tracking import MlflowClient
 
         http_defaults()
         self.uri, self.run_id = uri, run_id
         self.jsonl = MetricsFile(Path(jsonl)) if jsonl is not None else None
+        self.sinks = sinks or Sinks()
+        self.reopened = False  # a resumed run folder's MLflow run, continued
         self.client = MlflowClient(tracking_uri=uri)
         self.names = MetricNames()
         self.writer = BackgroundWriter(uri, queue_size)
@@ -384,21 +323,27 @@ class Tracker:
         params: dict[str, Any],
         artifact_location: str | None = None,
         jsonl: str | Path | None = None,
+        sinks: Sinks | None = None,
+        reopen: str = "",
     ) -> Tracker:
-        """Create the MLflow run (synchronously, before Ray starts); raises TrackingError naming the URI.
-        `artifact_location` (see `artifact_root`) applies where the experiment is created now."""
+        """Create the MLflow run (synchronously, before Ray starts), or continue run `reopen` where the store
+        has it (`reopened` says which); raises TrackingError naming the URI. `artifact_location` (see
+        `artifact_root`) applies where the experiment is created now."""
         http_defaults()
         check_reachable(uri)
         try:
             with store_lock(uri):
-                run_id = _create_run(uri, experiment, run_name, params, artifact_location)
+                run_id = reopen if reopen and reopen_run(uri, reopen, params) else ""
+                run_id = run_id or create_run(uri, experiment, run_name, params, artifact_location)
         except Exception as e:
             raise TrackingError(
                 f"tracking.uri={uri}: could not create the MLflow run ({type(e).__name__}: {str(e)[:500]}); "
                 "check that the tracking server or store works, or leave tracking.uri empty for a local "
                 "SQLite store under run_dir"
             ) from e
-        return cls(uri, run_id, jsonl=jsonl)
+        tracker = cls(uri, run_id, jsonl=jsonl, sinks=sinks)
+        tracker.reopened = run_id == reopen
+        return tracker
 
     def tags(self, values: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -421,6 +366,7 @@ class Tracker:
             self.tags({"relay.renamed_metrics": json.dumps(self.names.renamed)})
         if self.jsonl is not None:
             self.jsonl.append(step, ts / 1000, kept)
+        self.sinks.log(kept, step)
         self.writer.submit(f"metrics of step {step}", lambda: self._write_metrics(items, ts, step))
 
     def _write_metrics(self, items: list[Any], ts: int, step: int) -> None:
@@ -457,10 +403,28 @@ class Tracker:
             f"table {name}", lambda: self.client.log_table(self.run_id, data=cols, artifact_file=name)
         )
 
-    def register(self, artifact_path: str, name: str, timeout_s: float = FLUSH_TIMEOUT_S) -> str | None:
-        """Register a logged artifact folder as a new version of model `name` once the calls queued before it
-        are written; returns the version (None where it failed or did not finish in time)."""
-        src = f"runs:/{self.run_id}/{artifact_path}"
+    def log_model(self, folder: str | Path, mode: str, max_mb: float, register_as: str = "") -> str:
+        """The final model `folder` by `tracking.log_model` (`model_logging`): "copy" into the run's artifacts
+        (as `<folder name>/`), "reference" (nothing copied), or "off". Unless off, the folder's path goes into
+        the tag `relay.final_model` and, with `register_as`, the model is registered: the copy, or the folder
+        itself (a local store keeps its path as the version's source). Returns what was done."""
+        path = Path(folder).resolve()
+        server = urlparse(self.uri).scheme in SERVER_SCHEMES
+        how = model_logging(mode, path, max_mb, needs_copy=bool(register_as) and server)
+        log.info("final model %s: %s (tracking.log_model=%s)", path, how, mode)
+        if how == "off":
+            return how
+        if how == "copy":
+            self.artifact(str(path), path.name)
+        self.tags({"relay.final_model": str(path), "relay.final_model_logged": how})
+        if register_as:
+            self.register(f"runs:/{self.run_id}/{path.name}" if how == "copy" else str(path), register_as)
+        return how
+
+    def register(self, src: str, name: str, timeout_s: float = FLUSH_TIMEOUT_S) -> str | None:
+        """Register `src` (a logged artifact folder's `runs:/` URI, or a folder's path) as a new version of
+        model `name` once the calls queued before it are written; returns the version (None where it failed
+        or did not finish in time)."""
 
         def reg() -> str:
             with suppress(Exception):
@@ -498,7 +462,9 @@ class Tracker:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            self._sysmon = SystemMetricsMonitor(self.run_id, sampling_interval=10, tracking_uri=self.uri)
+            self._sysmon = SystemMetricsMonitor(
+                self.run_id, sampling_interval=10, resume_logging=self.reopened, tracking_uri=self.uri
+            )
             self._sysmon.start()
         except Exception as e:
             log.warning("MLflow system metrics unavailable: %s", e)
@@ -549,9 +515,12 @@ class Tracker:
         self.client.log_artifact(self.run_id, str(path))
 
     def close(self, timeout_s: float = FLUSH_TIMEOUT_S, give_up_s: float = FLUSH_GIVE_UP_S) -> bool:
-        """Flush the queued calls (within `timeout_s`; `give_up_s` once MLflow keeps failing) and stop the
-        writer; True if everything was written."""
-        return self.writer.close(timeout_s, give_up_s)
+        """Flush the queued calls (within `timeout_s`; `give_up_s` once MLflow keeps failing), stop the
+        writer and close the other sinks; True if everything was written to MLflow."""
+        try:
+            return self.writer.close(timeout_s, give_up_s)
+        finally:
+            self.sinks.close()
 
     def end(self, status: str = "FINISHED") -> bool:
         """Stop the system metrics, set the run's status, and `close`."""
@@ -563,33 +532,15 @@ class Tracker:
         return self.close()
 
 
-def _create_run(
-    uri: str, experiment: str, run_name: str | None, params: dict[str, Any], artifacts: str | None = None
-) -> str:
-    """The experiment (created if missing, also by a concurrent run, with its artifacts at `artifacts`) and a
-    new run with `params`."""
-    from mlflow.entities import Param
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+def folder_mb(path: str | Path) -> float:
+    """The size of the files under `path`, in MB (10^6 bytes)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 1e6
 
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        with suppress(MlflowException):  # created meanwhile by another run on the same server
-            client.create_experiment(experiment, artifact_location=artifacts)
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            raise MlflowException(f"experiment {experiment!r} could not be created")
-    elif artifacts and exp.artifact_location.rstrip("/") != artifacts.rstrip("/"):
-        log.warning(
-            "MLflow experiment %r keeps its artifacts at %s (fixed when it was created), not %s: give this run "
-            "another tracking.experiment to have them there",
-            experiment,
-            exp.artifact_location,
-            artifacts,
-        )
-    run = client.create_run(exp.experiment_id, run_name=run_name or None)
-    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-    for i in range(0, len(items), 100):
-        client.log_batch(run.info.run_id, params=items[i : i + 100])
-    return run.info.run_id
+
+def model_logging(mode: str, folder: str | Path, max_mb: float, needs_copy: bool = False) -> str:
+    """What `tracking.log_model=mode` does with the final model `folder`: "copy", "reference" or "off"; `auto`
+    copies a model under `max_mb` (and where `needs_copy`: registering it on a tracking server, which takes
+    only models in its artifacts), else references it."""
+    if mode != "auto":
+        return mode
+    return "copy" if needs_copy or folder_mb(folder) < max_mb else "reference"

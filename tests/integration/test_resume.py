@@ -134,6 +134,11 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
     assert res_b["ok"] and "exhausted" in res_b["stopped"], res_b
     assert res_b["restored_from"]["step"] == res_a["steps"]
     assert _metric(res_b, "ckpt/restored_partial") == [frozen]
+    # B names another run (tracking.run_name=resume-b): a new folder and MLflow run, not A's continued
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(res_b["tracking_uri"]).get_run(res_b["run_id"]).data.tags
+    assert res_b["run_id"] != res_a["run_id"] and "resume-a" in tags["relay.resumed_from"], tags
 
     a = _trained(tmp_path / "resume-a" / "trained_groups.jsonl")
     b = _trained(tmp_path / "resume-b" / "trained_groups.jsonl")
