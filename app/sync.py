@@ -270,7 +270,7 @@ class TrainerSync:
             acks: Acks = ray.get(pending, timeout=0.1)
         except Exception as e:
             train_log.warning("push v%d: the replicas' own answers did not come (%r)", stats.version, e)
-            train_log.info("%s", stats.summary())
+            train_log.debug("%s", stats.summary())
             return
         for rid, a in acks.got.items():
             stats.extra[rid] = {**stats.extra.get(rid, {}), **a.as_dict()}
@@ -283,7 +283,7 @@ class TrainerSync:
                 "; ".join(f"{r}: {acks.got[r].error}" for r in acks.failed) or "no answer",
             )
             ray.get(self.hub.drop.remote(bad), timeout=30)
-        train_log.info("%s", stats.summary())
+        train_log.debug("%s", stats.summary())
 
     def _plan(self, version: int, bucket_bytes: int) -> PushPlan:
         """This push's plan: the last push's buckets with the new version while the pushed tensors and the
@@ -324,7 +324,7 @@ class TrainerSync:
                 stats.wall_s = time.perf_counter() - t_start
                 self.last = stats
                 if self.rank == 0 and self._late is None:  # else logged by `settle`, with the replica phases
-                    train_log.info("%s", stats.summary())
+                    train_log.debug("%s", stats.summary())
                 return stats
             train_log.warning("push of version %d failed (try %d): %s", version, tries, err)
             failures.append(err)

@@ -4,7 +4,7 @@ FSDP2 shards each parameter on dim 0 the way `torch.chunk` splits it across the 
 [r*c, min((r+1)*c, n)) with c = ceil(n / W), possibly none. Gathering each parameter with `full_tensor()` is one
 collective per parameter (340 of them for a 1.5B model on two ranks). Here
 every rank packs its shards, each padded to c rows and cast to the pushed dtype, into one flat buffer; one
-`all_gather_into_tensor` gives every rank every shard, and each full tensor is cut out of the (W, total) grid.
+`all_gather_single` gives every rank every shard, and each full tensor is cut out of the (W, total) grid.
 `gather_params` is the trainer's entry: named parameters in, full tensors out (those not sharded that way, one
 by one).
 """
@@ -75,7 +75,7 @@ def gather_sharded(
     all_gather: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> list[torch.Tensor]:
     """The full tensors of dim-0 shards `local` (see the module docstring) through one `all_gather(out, flat)`
-    (torch.distributed's `all_gather_into_tensor` on the shards' group: every rank calls it)."""
+    (torch.distributed's `all_gather_single` on the shards' group: every rank calls it)."""
     flat, pieces = pack_shards(local, shapes, world, dtype)
     gathered = torch.empty(world * flat.numel(), dtype=dtype, device=flat.device)
     all_gather(gathered, flat)
@@ -106,13 +106,15 @@ def gather_params(
     sharded = [n for n in sharded if params[n].device_mesh == params[sharded[0]].device_mesh]
     with torch.no_grad():
         if sharded:  # one all-gather for all of them, already in the pushed dtype
+            # `all_gather_single` where torch has it (2.13 deprecates `all_gather_into_tensor`), else the old name
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             mesh = params[sharded[0]].device_mesh
             full = gather_sharded(
                 [params[n].to_local() for n in sharded],
                 [tuple(params[n].shape) for n in sharded],
                 mesh.size(),
                 dtype,
-                lambda o, i: dist.all_gather_into_tensor(o, i, group=mesh.get_group()),
+                lambda o, i: gather(o, i, group=mesh.get_group()),
             )
             out.update(zip(sharded, full, strict=True))
         for n in names:

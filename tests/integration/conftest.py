@@ -243,13 +243,18 @@ TWO_CLUSTERS_NOTICE = "Found multiple active Ray instances"
 
 def assert_quiet(stdout: str, stderr: str, allowed: tuple[str, ...] = ()) -> None:
     """A clean CLI run's output holds none of the SHUTDOWN_NOISE lines (but those holding an `allowed`
-    text)."""
+    text) and no traceback (unless the output holds an `allowed` text: that notice may come with one)."""
+    text = stdout + stderr
     noise = [
         ln
-        for ln in (stdout + stderr).splitlines()
+        for ln in text.splitlines()
         if any(m in ln for m in SHUTDOWN_NOISE) and not any(a in ln for a in allowed)
     ]
     assert not noise, f"{len(noise)} shutdown-noise lines in a clean run's log:\n" + "\n".join(noise[:20])
+    at = text.find("Traceback (most recent call last)")
+    assert at < 0 or any(a in text for a in allowed), (
+        f"a traceback in a clean run's log:\n{text[at : at + 3000]}"
+    )
 
 
 @pytest.fixture(scope="session")
