@@ -1,0 +1,133 @@
+"""bench/peers/trl_vs_relay.py's pure parts: Relay's config mapped to TRL's settings, the metrics.jsonl
+figures, medians and ratios (no Ray, vLLM or TRL; TRL's own check of the settings runs where it is installed)."""
+
+import json
+
+import pytest
+
+from bench.peers.trl_vs_relay import (
+    cpu_at,
+    medians,
+    parse_result,
+    ratios,
+    read_metrics,
+    relay_config,
+    rounded,
+    run_figures,
+    trained_order,
+    trl_settings,
+    unmatched,
+)
+
+
+@pytest.fixture(scope="module")
+def default_cfg():
+    return relay_config([])
+
+
+def test_the_default_job_maps_to_trl_settings_that_differ_from_trls_defaults(default_cfg):
+    s = trl_settings(default_cfg, "/tmp/out")
+    assert unmatched(default_cfg) == []
+    assert s["learning_rate"] == 1e-3 and s["lr_scheduler_type"] == "constant" and s["warmup_steps"] == 0
+    assert (s["adam_beta1"], s["adam_beta2"], s["weight_decay"], s["max_grad_norm"]) == (0.9, 0.99, 0.0, 1.0)
+    assert s["optim"] == "adamw_torch" and s["adam_epsilon"] == 1e-8
+    # 16 prompts x 8 samples: TRL counts completions, one generation and one optimizer step a batch
+    assert s["num_generations"] == 8
+    assert s["per_device_train_batch_size"] == s["generation_batch_size"] == 128
+    assert s["gradient_accumulation_steps"] == 1 and s["num_iterations"] == 1
+    assert (s["loss_type"], s["beta"], s["epsilon"], s["epsilon_high"]) == ("dapo", 0.0, 0.2, 0.28)
+    assert s["scale_rewards"] == "group"
+    assert (s["max_completion_length"], s["temperature"], s["top_p"], s["top_k"]) == (8, 1.0, 1.0, 0)
+    assert s["bf16"] is False and s["gradient_checkpointing"] is False
+    assert s["model_init_kwargs"] == {"dtype": "float32"}
+    assert s["shuffle_dataset"] is False and s["use_vllm"] is False
+    assert s["max_steps"] == 60 and s["seed"] == 0
+
+
+def test_other_relay_settings_map_or_are_refused(default_cfg):
+    cfg = json.loads(json.dumps(default_cfg))
+    cfg["algorithm"].update(loss_agg="seq_mean", normalize_adv_std=False, clip_high=0.3)
+    s = trl_settings(cfg, "/tmp/out")
+    assert (s["loss_type"], s["scale_rewards"], s["epsilon_high"]) == ("grpo", "none", 0.3)
+    cfg["algorithm"].update(mode="fully_async", kl_coef=0.1)
+    cfg["train"]["warmup_steps"] = 3
+    found = unmatched(cfg)
+    assert [f.split("=")[0] for f in found] == ["algorithm.mode", "algorithm.kl_coef", "train.warmup_steps"]
+
+
+def test_trl_accepts_every_setting(default_cfg, tmp_path):
+    trl = pytest.importorskip("trl")
+    args = trl.GRPOConfig(**trl_settings(default_cfg, str(tmp_path)))
+    assert args.steps_per_generation == 1 and args.learning_rate == 1e-3 and args.bf16 is False
+
+
+def _metrics(t0: float) -> str:
+    lines = [{"step": 0, "time": t0 + 30, "val/reward": 0.4, "timing/val_s": 2.0}]
+    for step in range(1, 11):
+        lines.append({"step": step, "time": t0 + 30 + 3 * step, "reward/mean": 0.5, "loss/policy": 0.1})
+        if step % 5 == 0:
+            lines.append(
+                {"step": step, "time": t0 + 31 + 3 * step, "val/reward": 0.5 + step / 20, "timing/val_s": 1.0}
+            )
+    return "\n".join(map(json.dumps, lines)) + "\nnot json\n" + json.dumps({"no": "step"}) + "\n"
+
+
+def test_figures_from_metrics_jsonl_and_the_result_line():
+    t0 = 1_000.0
+    metrics = read_metrics(_metrics(t0))
+    assert len(metrics) == 13  # the broken line and the line without step/time are skipped
+    result = parse_result(
+        'log line\nRESULT {"ok": true, "steps": 10, "loop_s": 31.0, "trained_tokens": 3000}\n'
+    )
+    f = run_figures(metrics, result, t0, threshold=0.9)
+    assert f["startup_s"] == 33.0  # the end of step 1
+    assert f["time_to_threshold_s"] == 61.0  # step 10's validation, 1.0, is the first >= 0.9
+    assert f["val_in_loop_s"] == 1.0  # step 5's: step 0's runs before the loop, step 10's after it
+    assert f["tokens_per_s"] == 100.0 and f["tokens_per_s_raw"] == pytest.approx(3000 / 31)
+    assert (f["val_first"], f["val_last"], f["val_max"]) == (0.4, 1.0, 1.0)
+    assert f["_loop_window"] == (t0 + 30, t0 + 60)
+    assert run_figures(metrics, result, t0, threshold=1.5)["time_to_threshold_s"] is None
+
+
+def test_medians_and_ratios():
+    runs = [
+        {"tokens_per_s": 100.0, "wall_s": 60.0, "time_to_threshold_s": None, "x": True, "curve": [1]},
+        {"tokens_per_s": 300.0, "wall_s": 80.0, "time_to_threshold_s": 50.0, "x": False, "curve": [2]},
+        {"tokens_per_s": 200.0, "wall_s": 70.0, "time_to_threshold_s": 40.0, "x": True, "curve": [3]},
+    ]
+    m = medians(runs)
+    assert (m["tokens_per_s"], m["wall_s"], m["time_to_threshold_s"]) == (200.0, 70.0, 45.0)
+    assert m["x"] is None and "curve" not in m and m["threshold_reached"] == "2/3"
+    r = ratios(
+        {"tokens_per_s": 400.0, "wall_s": 35.0, "time_to_threshold_s": None},
+        {"tokens_per_s": 200.0, "wall_s": 70.0, "time_to_threshold_s": 45.0, "peak_rss_mb": 0.0},
+    )
+    assert (r["tokens_per_s"], r["wall_s"], r["time_to_threshold_s"]) == (2.0, 0.5, None)
+    assert r["peak_rss_mb"] is None  # TRL's 0: no ratio
+    assert rounded({"a": 1.23456, "b": 12345.67, "c": 3, "d": None}) == {
+        "a": 1.235,
+        "b": 12345.7,
+        "c": 3,
+        "d": None,
+    }
+
+
+def test_trained_order_is_relays_step_by_step(tmp_path):
+    path = tmp_path / "trained_groups.jsonl"
+    rows = [
+        {"uid": "c", "step": 2},
+        {"uid": "a", "step": 1},
+        {"uid": "b", "step": 1},
+        {"uid": "d", "step": 2},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert trained_order(path, 2, 2) == ["a", "b", "c", "d"]
+    assert trained_order(path, 1, 2) == ["a", "b"]
+    with pytest.raises(RuntimeError, match="expected 6"):
+        trained_order(path, 2, 3)
+
+
+def test_cpu_at_interpolates_the_sampled_series():
+    series = [(10.0, 1.0), (11.0, 3.0), (12.0, 3.0)]
+    assert [cpu_at(series, t) for t in (5.0, 10.5, 11.5, 20.0)] == [1.0, 2.0, 3.0, 3.0]
+    assert cpu_at([], 1.0) == 0.0
