@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from app.__main__ import main
 from app.config import (
     ALL_KEYS,
     REFERENCE_PATH,
@@ -17,7 +18,6 @@ from app.config import (
     to_container,
     typed,
 )
-from app.__main__ import main
 from app.preflight import load_config
 
 

@@ -8,8 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-from tests.integration.conftest import REPO
-
 PROGRAM = textwrap.dedent(
     """
     import json, sys
