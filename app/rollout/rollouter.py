@@ -95,7 +95,7 @@ class Rollouter:
         self.generator = GroupGenerator(
             ServeGenerate(handle, c.rollout.request_timeout_s, stats=self.stats),
             lambda ids: tok.decode(ids, skip_special_tokens=True),
-            rewards.score,
+            rewards,  # a GroupScore: TRL-style rewards see a whole group
             c.rollout,
             reward=c.reward,
             seed=c.seed,
