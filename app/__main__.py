@@ -1,5 +1,6 @@
 """Command line: `python -m app train [--config FILE] [--resume PATH] [key=value ...]`,
-`python -m app eval [--checkpoint PATH] [--data FILE] [--config FILE] [key=value ...]`, `python -m app config`.
+`python -m app eval [--checkpoint PATH] [--data FILE] [--config FILE] [--print-config] [key=value ...]`,
+`python -m app config`.
 
 `train` and `eval` print one line `RESULT {json}` as the very last line of their stdout (a program reads the run's
 outcome from it): Ray is disconnected first, so no worker log line or progress bar can follow it.
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a YAML file or a preset name, several merge left to right (default: the settings of the run "
         "that wrote the weights)",
     )
+    ev.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     ev.add_argument("overrides", nargs="*", help="key=value overrides, e.g. eval.n=8 eval.k=[1,8]")
     ref = sub.add_parser(
         "config", help="print the config reference (every key, default, valid values, meaning)"
@@ -172,6 +174,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
         return 2
     configure_logging(cfg.log_level)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        sys.stdout.write(OmegaConf.to_yaml(cfg))
+        return 0
     _quiet_progress_bars()
     try:
         result = command.run(cfg)
