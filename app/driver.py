@@ -186,8 +186,8 @@ def run(cfg: DictConfig, resume_with_new_data: bool = False) -> dict[str, Any]:
 
 def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
     """The run itself: its folder and MLflow run, Ray, the roles, the loop. Returns the RESULT record."""
+    from app.names import app_name
     from app.rewards.by_source import name_rewards
-    from app.serve_rollout import app_name
     from app.trainer import resume_check
 
     inputs, resume, t0 = prepared.inputs, prepared.resume, prepared.t0
@@ -251,9 +251,10 @@ def start_roles(
     import ray
 
     from app.infra import ray_compat
-    from app.rollout.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import app_name, build_app
-    from app.weights.actors import NAMESPACE, start_sync_actors
+    from app.names import NAMESPACE, app_name, rollouter_name
+    from app.rollout.rollouter import Rollouter
+    from app.serve_rollout import build_app
+    from app.weights.actors import start_sync_actors
 
     cfg = _plan_resources(cfg)
     hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
@@ -521,9 +522,7 @@ def teardown(cfg: DictConfig, started: bool) -> None:
     (and is reported) when the controller ends itself."""
     import ray
 
-    from app.rollout.rollouter import rollouter_name
-    from app.weights.control import control_name
-    from app.weights.hub import hub_name
+    from app.names import control_name, hub_name, rollouter_name
 
     _kill_actors([rollouter_name(cfg.ray.name)])
     # a next run on these GPUs needs their memory back, and a local cluster's replicas must end their vLLM
@@ -538,7 +537,7 @@ def _delete_apps(cfg: DictConfig, wait: bool) -> None:
     """Delete this run's Serve apps: the env kind's services (the OpenAI endpoint), then the rollout
     deployment they call."""
     from app.infra import ray_compat
-    from app.serve_rollout import app_name
+    from app.names import app_name
 
     try:
         env_kind(cfg.env.name).teardown(cfg)
@@ -554,7 +553,7 @@ def _kill_actors(names: list[str]) -> None:
     """Kill this run's named actors (those that exist)."""
     import ray
 
-    from app.weights.actors import NAMESPACE
+    from app.names import NAMESPACE
 
     for name in names:
         try:

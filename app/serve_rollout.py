@@ -34,22 +34,15 @@ from app.infra.resources import (
     samples_per_request,
     worker_share,
 )
+from app.names import DEPLOYMENT_NAME, NAMESPACE, control_name, hub_name
 from app.records import GenerateRequest, GenerateResponse, Sample
 from app.sync import ReplicaSync
 from app.vllm import engine as vla
 from app.vllm import replica_engine
-from app.weights.actors import NAMESPACE
-from app.weights.control import control_name
-from app.weights.hub import hub_name
 
 log = logging.getLogger(__name__)
 
-DEPLOYMENT_NAME = "rollout"
-__all__ = ["DEPLOYMENT_NAME", "RolloutServer", "app_name", "build_app"]
-
-
-def app_name(prefix: str) -> str:
-    return f"{prefix}-rollout"
+__all__ = ["RolloutServer", "build_app"]
 
 
 class RolloutServer:

@@ -368,10 +368,8 @@ def build(cfg: Any, config: dict[str, Any]) -> Trainer:
 def lookup_actors(prefix: str, timeout_s: float) -> Actors:
     """The actors of run `prefix` (created by app/driver.py), looked up by name, once the rollouter has
     started (the driver does not wait for it: it reads the prompts while the trainer starts)."""
-    from app.rollout.rollouter import rollouter_name
+    from app.names import control_name, hub_name, rollouter_name
     from app.weights.actors import get_actor
-    from app.weights.control import control_name
-    from app.weights.hub import hub_name
 
     actors = Actors(
         hub=get_actor(hub_name(prefix)),

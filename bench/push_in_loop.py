@@ -39,10 +39,9 @@ def push_loop(config: dict[str, Any]) -> None:
     import torch
     from omegaconf import OmegaConf
 
+    from app.names import NAMESPACE, hub_name
     from app.sync import TrainerSync
     from app.trainer.learner import Learner
-    from app.weights.actors import NAMESPACE
-    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -71,8 +70,8 @@ def push_under_load(sync: Any, cfg: Any, version: int) -> dict[str, Any]:
 
     from ray import serve
 
+    from app.names import DEPLOYMENT_NAME, app_name
     from app.records import GenerateRequest
-    from app.serve_rollout import DEPLOYMENT_NAME, app_name
 
     handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app_name(cfg.ray.name))
     req = GenerateRequest(prompt_ids=[5, 6, 7, 8], max_tokens=256, n=4, ignore_eos=True)
@@ -105,7 +104,7 @@ def run_shape(
 
     from app.config import load_config, to_container
     from app.driver import RolloutStartWatch, resolve_inputs, start_roles, teardown
-    from app.serve_rollout import app_name
+    from app.names import app_name
     from bench.qwen_shapes import build_model_dir
 
     path = "builtin:tiny" if shape == "embedded" else build_model_dir(shape, models)

@@ -116,9 +116,9 @@ def start_serve(cfg, model_path: str, gpu: bool):
     import ray
     from ray import serve
 
-    from app.serve_rollout import app_name, build_app
-    from app.weights.actors import NAMESPACE
-    from app.weights.hub import WeightHub, hub_name
+    from app.names import NAMESPACE, app_name, hub_name
+    from app.serve_rollout import build_app
+    from app.weights.hub import WeightHub
 
     ray.init(
         address="local", num_cpus=16, num_gpus=1 if gpu else 0, include_dashboard=False, log_to_driver=False

@@ -198,7 +198,7 @@ def _generate(cfg: DictConfig, inputs: Any) -> list[Group]:
     import ray
 
     from app.driver import RolloutStartWatch, start_roles
-    from app.serve_rollout import app_name
+    from app.names import app_name
 
     watch = RolloutStartWatch(app_name(cfg.ray.name))
     roles = start_roles(cfg, inputs, watch)  # (the handles must live while the actors work)

@@ -39,10 +39,6 @@ from app.rollout.serve_generate import ServeGenerate
 log = logging.getLogger(__name__)
 
 
-def rollouter_name(prefix: str) -> str:
-    return f"{prefix}-rollouter"
-
-
 class Rollouter:
     """Async Ray actor (see the module docstring). `train` and `val` are prompt file paths."""
 
@@ -53,10 +49,10 @@ class Rollouter:
         from ray import serve
         from transformers import AutoTokenizer
 
+        from app.names import DEPLOYMENT_NAME, app_name
         from app.rewards.pool import RewardPool
         from app.rollout.dataset import to_prompt, train_dataset, val_prompts
         from app.rollout.prompt_files import Columns
-        from app.serve_rollout import DEPLOYMENT_NAME, app_name
 
         self.cfg = cfg = OmegaConf.create(cfg)
         d = cfg.data
@@ -315,7 +311,7 @@ class Rollouter:
 
 async def _abort_inflight(prefix: str, timeout_s: float) -> Any:
     """Ask every replica to end its in-flight generations (through the run-control actor)."""
+    from app.names import control_name
     from app.weights.actors import get_actor
-    from app.weights.control import control_name
 
     return await get_actor(control_name(prefix)).abort_inflight.remote(timeout_s)

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.weights.control import RunControl, control_name
-from app.weights.hub import WeightHub, hub_name
-
-NAMESPACE = (
-    "relay"  # named actors (hub, control, rollouter) live here, reachable from Serve replicas and jobs
-)
+from app.names import NAMESPACE, control_name, hub_name
+from app.weights.control import RunControl
+from app.weights.hub import WeightHub
 
 
 def start_sync_actors(prefix: str) -> tuple[Any, Any]:

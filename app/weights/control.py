@@ -20,11 +20,6 @@ from app.weights.shared import Changes
 log = logging.getLogger("app.sync")
 
 
-def control_name(prefix: str) -> str:
-    """The run control's Ray actor name for run `prefix` (namespace `app.weights.actors.NAMESPACE`)."""
-    return f"{prefix}-run-control"
-
-
 class RunControl:
     """Stop requests, the trainer's heartbeat, and abort requests with their acknowledgements."""
 

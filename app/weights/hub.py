@@ -33,11 +33,6 @@ from app.weights.shared import Changes, call
 log = logging.getLogger("app.sync")
 
 
-def hub_name(prefix: str) -> str:
-    """The hub's Ray actor name for run `prefix` (namespace `app.weights.actors.NAMESPACE`)."""
-    return f"{prefix}-weight-hub"
-
-
 @dataclass(kw_only=True)
 class Member:
     replica_id: str

@@ -42,7 +42,7 @@ def report(request, tmp_path_factory) -> dict:
 
     from app.config import load_config, to_container
     from app.driver import RolloutStartWatch, resolve_inputs, start_roles, teardown
-    from app.serve_rollout import app_name
+    from app.names import app_name
     from tests.integration.loops import disagg_loop
 
     staged = request.param == "staged"

@@ -42,9 +42,10 @@ def test_logprobs_agree_after_ipc_push(cache_dir, tmp_path):
 
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
-    from app.rollout.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import app_name, build_app
-    from app.weights.actors import NAMESPACE, start_sync_actors
+    from app.names import NAMESPACE, app_name, rollouter_name
+    from app.rollout.rollouter import Rollouter
+    from app.serve_rollout import build_app
+    from app.weights.actors import start_sync_actors
     from tests.integration.loops import logprob_loop
 
     cfg = load_config(

@@ -57,10 +57,11 @@ def test_two_steps_push_exact_weights_and_logprobs_agree(cache_dir, tmp_path):
 
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
+    from app.names import NAMESPACE, app_name, rollouter_name
     from app.rollout.prompt_files import PromptRow, render_prompt
-    from app.rollout.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import app_name, build_app
-    from app.weights.actors import NAMESPACE, start_sync_actors
+    from app.rollout.rollouter import Rollouter
+    from app.serve_rollout import build_app
+    from app.weights.actors import start_sync_actors
     from tests.integration.loops import real_model_loop
 
     small = ["rollout.n=2", "rollout.max_tokens=64", "train.batch_groups=2", "data.val_size=4"]

@@ -53,8 +53,7 @@ def hub_status(name: str) -> dict:
     """The weight hub's status of run `name` (raises while the run has not created it yet)."""
     import ray
 
-    from app.weights.actors import NAMESPACE
-    from app.weights.hub import hub_name
+    from app.names import NAMESPACE, hub_name
 
     return ray.get(ray.get_actor(hub_name(name), namespace=NAMESPACE).status.remote(), timeout=10)
 
@@ -307,9 +306,10 @@ def rollout_stack(ray_cluster, cache_dir):
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
     from app.envs.agent.openai_api import start_http
-    from app.rollout.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import app_name, build_app
-    from app.weights.actors import NAMESPACE, start_sync_actors
+    from app.names import NAMESPACE, app_name, rollouter_name
+    from app.rollout.rollouter import Rollouter
+    from app.serve_rollout import build_app
+    from app.weights.actors import start_sync_actors
 
     cfg = load_config("quick", ["ray.name=it", f"model.cache_dir={cache_dir}", "sync.timeout_s=30"])
     inputs = resolve_inputs(cfg)

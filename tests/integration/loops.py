@@ -13,13 +13,10 @@ def logprob_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
-    from app.rollout.rollouter import rollouter_name
-    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+    from app.names import DEPLOYMENT_NAME, NAMESPACE, app_name, hub_name, rollouter_name
     from app.sync import TrainerSync
     from app.trainer.comm import bcast
     from app.trainer.learner import Learner
-    from app.weights.actors import NAMESPACE
-    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     # the GPU test (tests/gpu/test_loop_gpu.py) runs this on cuda with the IPC transport
@@ -191,12 +188,9 @@ def disagg_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
-    from app.rollout.rollouter import rollouter_name
-    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+    from app.names import DEPLOYMENT_NAME, NAMESPACE, app_name, hub_name, rollouter_name
     from app.sync import TrainerSync
     from app.trainer.learner import Learner
-    from app.weights.actors import NAMESPACE
-    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     cuda = config.get("cuda", True)  # False: the same scenario on CPU over gloo (a check of this harness)
@@ -258,13 +252,10 @@ def colocated_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
-    from app.rollout.rollouter import rollouter_name
-    from app.serve_rollout import DEPLOYMENT_NAME, app_name
+    from app.names import DEPLOYMENT_NAME, NAMESPACE, app_name, hub_name, rollouter_name
     from app.sync import TrainerSync
     from app.trainer.comm import bcast
     from app.trainer.learner import Learner
-    from app.weights.actors import NAMESPACE
-    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -362,13 +353,10 @@ def real_model_loop(config: dict[str, Any]) -> None:
     from omegaconf import OmegaConf
     from ray import serve
 
+    from app.names import DEPLOYMENT_NAME, NAMESPACE, app_name, hub_name, rollouter_name
     from app.records import GenerateRequest
-    from app.rollout.rollouter import rollouter_name
-    from app.serve_rollout import DEPLOYMENT_NAME, app_name
     from app.sync import TrainerSync
     from app.trainer.learner import Learner
-    from app.weights.actors import NAMESPACE
-    from app.weights.hub import hub_name
 
     cfg = OmegaConf.create(config["cfg"])
     timeout_s = float(config.get("timeout_s", 300))

@@ -34,7 +34,8 @@ def test_openai_client_sessions_become_trajectories(rollout_stack):
     from ray import serve
     from transformers import AutoTokenizer
 
-    from app.envs.agent.openai_api import DEPLOYMENT, build_frontend, frontend_app_name
+    from app.envs.agent.openai_api import build_frontend
+    from app.names import FRONTEND_DEPLOYMENT, frontend_app_name
     from app.rollout.prompt_files import render_prompt
 
     agent = "tests.integration.test_openai_endpoint:chat_agent"
@@ -46,7 +47,7 @@ def test_openai_client_sessions_become_trajectories(rollout_stack):
         tok = AutoTokenizer.from_pretrained(model_path)
         row = rollout_stack["inputs"].val_rows[0]
         prompt_ids = render_prompt(row, tok)
-        handle = serve.get_deployment_handle(DEPLOYMENT, app_name=name)
+        handle = serve.get_deployment_handle(FRONTEND_DEPLOYMENT, app_name=name)
         _client_session(rollout_stack["http_port"], handle, row.prompt, prompt_ids, tok)
         _runner_group(cfg, rollout_stack, row, prompt_ids, tok)
     finally:

@@ -44,9 +44,10 @@ def smol_stack(ray_cluster, cache_dir):
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
     from app.envs.agent.openai_api import start_http
-    from app.rollout.rollouter import Rollouter, rollouter_name
-    from app.serve_rollout import app_name, build_app
-    from app.weights.actors import NAMESPACE, start_sync_actors
+    from app.names import NAMESPACE, app_name, rollouter_name
+    from app.rollout.rollouter import Rollouter
+    from app.serve_rollout import build_app
+    from app.weights.actors import start_sync_actors
 
     cfg = load_config(
         "laptop",

@@ -35,7 +35,7 @@ def _metric(res: dict, key: str) -> list[float]:
 def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, cache_dir, tmp_path):
     from ray.util.state import list_actors
 
-    from app.weights.hub import hub_name
+    from app.names import hub_name
 
     # 17 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
     # before the stop: about 10 steps at most, since the staleness bound holds generation while the group

@@ -78,7 +78,7 @@ def _stall_last_replica(ray_cluster: dict, proc: subprocess.Popen, log: Path, re
     the replica is shut down normally): seconds from the stop to the report."""
     from ray import serve
 
-    from app.serve_rollout import app_name
+    from app.names import app_name
 
     handle = serve.get_deployment_handle("rollout", app_name=app_name(NAME))
     info = handle.info.remote().result(timeout_s=30)

@@ -48,7 +48,7 @@ class OpenAIAgentKind(EnvKind):
         deploy_frontend(cfg, model_path)
 
     def teardown(self, cfg: Any) -> None:
-        from app.envs.agent.openai_routes import frontend_app_name
         from app.infra import ray_compat
+        from app.names import frontend_app_name
 
         ray_compat.delete_app(frontend_app_name(cfg.ray.name), wait=False)

@@ -30,8 +30,9 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from app.envs.agent.openai_chat import ChatCore, ChatSettings, RequestError
-from app.envs.agent.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
+from app.envs.agent.openai_routes import ROUTE_PREFIX
 from app.envs.agent.session import SessionCall
+from app.names import FRONTEND_DEPLOYMENT, frontend_app_name
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ class OpenAIFrontend:
     def __init__(self, model_path: str, settings: ChatSettings, rollout_app: str) -> None:
         from transformers import AutoTokenizer
 
+        from app.names import DEPLOYMENT_NAME
         from app.rollout.serve_generate import ServeGenerate
-        from app.serve_rollout import DEPLOYMENT_NAME
 
         handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=rollout_app)
         tok = AutoTokenizer.from_pretrained(model_path)
@@ -102,10 +103,10 @@ class OpenAIFrontend:
 
 def build_frontend(cfg: Any, model_path: str) -> Any:
     """The frontend application of run `cfg.ray.name` (deploy it with route prefix ROUTE_PREFIX)."""
-    from app.serve_rollout import app_name
+    from app.names import app_name
 
     opts = {
-        "name": DEPLOYMENT,
+        "name": FRONTEND_DEPLOYMENT,
         "num_replicas": 1,  # sessions live in its memory
         "ray_actor_options": {"num_cpus": 0},
         "max_ongoing_requests": 1024,

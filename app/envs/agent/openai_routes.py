@@ -7,9 +7,3 @@ A leaf module: both the front end (app/envs/agent/openai_api.py) and the agent s
 from __future__ import annotations
 
 ROUTE_PREFIX = "/relay"
-DEPLOYMENT = "openai"
-
-
-def frontend_app_name(prefix: str) -> str:
-    """The Serve application of run `prefix`'s front end."""
-    return f"{prefix}-openai"

@@ -143,10 +143,13 @@ class AgentEpisodes(EpisodeMaker):
     def make_episode(self, turns: Turns, env: EnvConfig, on_error: float) -> AgentEpisode:
         from ray import serve
 
-        from app.envs.agent.openai_routes import DEPLOYMENT, ROUTE_PREFIX, frontend_app_name
+        from app.envs.agent.openai_routes import ROUTE_PREFIX
         from app.infra import ray_compat
+        from app.names import FRONTEND_DEPLOYMENT, frontend_app_name
 
-        handle = serve.get_deployment_handle(DEPLOYMENT, app_name=frontend_app_name(self.cfg.ray.name))
+        handle = serve.get_deployment_handle(
+            FRONTEND_DEPLOYMENT, app_name=frontend_app_name(self.cfg.ray.name)
+        )
         base = f"http://127.0.0.1:{ray_compat.serve_http_port()}{ROUTE_PREFIX}"
         return AgentEpisode(turns, self.agent, handle, base, env, on_error)
 
