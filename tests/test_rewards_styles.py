@@ -309,3 +309,21 @@ def test_the_cli_refuses_a_failing_reward_before_ray_starts(tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()[-1]
     assert out.startswith("RESULT ") and "KeyError: 'split'" in json.loads(out[7:])["error"]
     assert not (tmp_path / "runs").exists()  # refused before the run folder, Ray and MLflow
+
+
+def test_a_raising_reward_names_its_own_file_and_line_and_logs_its_traceback_once(caplog):
+    """The error names where in the user's function it was raised (not Relay's wrapper); the scoring process
+    logs the whole traceback the first time only."""
+    import logging
+
+    from app.rewards import _TRACEBACK_SHOWN, evaluate
+
+    _TRACEBACK_SHOWN.discard("needs_split")
+    line = ex.needs_split.__code__.co_firstlineno + 2  # its `return` line
+    inp = RewardInput(response="5", answer="5", data_source="x", extra_info={})
+    with caplog.at_level(logging.WARNING, logger="app.rewards"):
+        first, second = (evaluate(ex.needs_split, inp, -1.0) for _ in range(2))
+    assert first.error == "exception" and first.detail.startswith("KeyError: 'split'")
+    assert f"reward_styles_example.py:{line} in needs_split" in first.detail and second.detail == first.detail
+    records = [r for r in caplog.records if "needs_split raised" in r.getMessage()]
+    assert len(records) == 2 and records[0].exc_info is not None and records[1].exc_info is None

@@ -31,6 +31,7 @@ import logging
 import math
 import numbers
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -284,6 +285,21 @@ def evaluate_group(fn: RewardFn | RewardCall, inps: list[RewardInput], on_error:
     return _guarded(call, lambda: call.group(inps), len(inps), on_error)
 
 
+_TRACEBACK_SHOWN: set[str] = set()
+
+
+def raised_at(e: BaseException, fn: Any) -> str:
+    """` (at file:line in function)`: where in the user's reward `e` was raised (the deepest frame in `fn`'s
+    own file, else the deepest frame), so a message names the user's line, not Relay's wrapper."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    own = [f for f in frames if code is not None and f.filename == code.co_filename]
+    f = (own or frames)[-1]
+    return f" (at {f.filename}:{f.lineno} in {f.name})"
+
+
 def _guarded(call: RewardCall, run: Callable[[], Any], n: int, on_error: float) -> list[RewardResult]:
     """`run()`'s value for `n` samples, interpreted (see `evaluate`); never raises."""
     name = getattr(call.fn, "__name__", type(call.fn).__name__)
@@ -297,8 +313,12 @@ def _guarded(call: RewardCall, run: Callable[[], Any], n: int, on_error: float) 
         detail += "; over reward.max_memory_mb? raise it if the reward needs that much"
         return [RewardResult(on_error, "oom", detail) for _ in range(n)]
     except Exception as e:  # the reward's own bug or a bad input: scored, never raised
-        detail = f"{type(e).__name__}: {e}"[:DETAIL_CHARS]
-        log.warning("reward function %s raised %s; scoring %s", name, detail, on_error)
+        detail = f"{type(e).__name__}: {e}"[:DETAIL_CHARS] + raised_at(e, call.fn)
+        first = name not in _TRACEBACK_SHOWN  # the whole traceback once per function and process
+        _TRACEBACK_SHOWN.add(name)
+        log.warning(
+            "reward function %s raised %s; scoring %s", name, detail, on_error, exc_info=e if first else None
+        )
         return [RewardResult(on_error, "exception", detail) for _ in range(n)]
     try:
         return [_interpret(v, on_error) for v in call.entries(value, n)]
