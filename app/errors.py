@@ -9,6 +9,8 @@ module imports nothing of app/, so any module can use it.
 
 from __future__ import annotations
 
+import re
+
 
 class UserError(Exception):
     """Marks an error class as the user's to fix: its message names the problem and the fix."""
@@ -26,5 +28,26 @@ def user_error(exc: BaseException) -> UserError | None:
         cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError: what the task raised
         if isinstance(cause, UserError):
             return cause
+        if (found := _raised_in_creation(e)) is not None:
+            return found
         e = e.__cause__ or e.__context__
     return None
+
+
+def _subclasses(cls: type) -> set[type]:
+    out = set(cls.__subclasses__())
+    for sub in list(out):
+        out |= _subclasses(sub)
+    return out
+
+
+def _raised_in_creation(e: BaseException) -> UserError | None:
+    """A Ray actor that died of a user error in its constructor (a bad row the rollouter found): Ray keeps
+    only the text of what `__init__` raised, its last line `DataError: <message>`; that message, as a
+    UserError of its own (None where the text holds no user error)."""
+    text = str(e)
+    if "raised in its creation task" not in text:
+        return None
+    names = "|".join(sorted(c.__name__ for c in _subclasses(UserError)))
+    found = re.findall(rf"^\s*(?:[\w.]+\.)?(?:{names}): (.+)$", text, flags=re.MULTILINE) if names else []
+    return UserError(found[-1]) if found else None

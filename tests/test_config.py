@@ -634,7 +634,7 @@ def test_several_presets_merge_left_to_right_and_say_what_they_take_over(caplog)
     both = load_config(["gsm8k", "lora"], ["train.steps=7"])
     assert both.model.path == gsm8k.model.path != lora.model.path
     assert both.data.train == gsm8k.data.train and both.reward.fn == gsm8k.reward.fn
-    assert both.model.lora_rank == lora.model.lora_rank > 0 and both.train.lr == lora.train.lr
+    assert both.model.lora.rank == lora.model.lora.rank > 0 and both.train.lr == lora.train.lr
     assert both.train.steps == 7  # key=value still last
     (line,) = [r.getMessage() for r in caplog.records if "--config lora" in r.getMessage()]
     assert "train.lr" in line and line.endswith("over gsm8k")
@@ -650,3 +650,22 @@ def test_the_build_cache_is_the_same_folder_from_any_working_directory(monkeypat
     monkeypatch.setenv("RELAY_CACHE", str(tmp_path))
     assert cache_root("") == tmp_path
     assert cache_root("~/elsewhere") == Path.home() / "elsewhere"  # model.cache_dir wins
+
+
+def test_a_bad_row_found_in_the_rollouters_constructor_is_the_same_one_line():
+    """Ray keeps only the text of what an actor's `__init__` raised: the user error is found in it, so a bad
+    row found after Ray started ends the run with the one line (file, row, fix) it would have before Ray."""
+    import traceback
+
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from app.errors import user_error
+    from app.rollout.prompt_files import DataError
+
+    msg = "/data/train.jsonl row 700: 'answer' is null; give every row an answer (data.answer_key)"
+    try:
+        raise DataError(msg)
+    except DataError as e:
+        died = ActorDiedError(RayTaskError("Rollouter.__init__", traceback.format_exc(), e))
+    assert "creation task" in str(died) and str(user_error(died)) == msg
+    assert user_error(ActorDiedError(RayTaskError("f", "tb", ValueError("a bug")))) is None
