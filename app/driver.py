@@ -83,10 +83,10 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         model_path = resolve_model_path(model_path)  # a folder (`~` expanded) or a hub id
     check_model_type(model_path, cfg.model.path)  # an architecture transformers cannot load: refused here
     check_context(cfg, model_path)
-    if cfg.model.lora_rank > 0:  # an unknown target fails here, naming the model's linear layers
+    if cfg.model.lora.rank > 0:  # an unknown target fails here, naming the model's linear layers
         from app.trainer.lora import check_model_targets, parse_targets
 
-        check_model_targets(model_path, parse_targets(cfg.model.lora_targets))
+        check_model_targets(model_path, parse_targets(cfg.model.lora.targets))
     return Inputs(str(Path(model_path).resolve()), train, val, columns)
 
 

@@ -36,6 +36,7 @@ from app.infra.resources import (
 )
 from app.names import DEPLOYMENT_NAME, NAMESPACE, control_name, hub_name
 from app.records import GenerateRequest, GenerateResponse, Sample
+from app.rollout.partial import partial_policy
 from app.sync import ReplicaSync
 from app.vllm import engine as vla
 from app.vllm import replica_engine
@@ -76,7 +77,8 @@ class RolloutServer:
                 workers,
                 os.environ["CUDA_VISIBLE_DEVICES"],
             )
-        self.engine = vla.create_engine(model_path, **engine, partial=partial)
+        policy = partial_policy(partial)  # rollout.partial, asked by the engine and the weight loader
+        self.engine = vla.create_engine(model_path, **engine, partial=policy)
         self.worker_pids: list[int] = []  # the engine's worker processes, once asked (`info`)
         self.served_any = False
         self.hub = ray.get_actor(hub, namespace=NAMESPACE)
@@ -91,7 +93,7 @@ class RolloutServer:
             self.replica_id,
             hub=self.hub,
             control=control,
-            partial=partial,
+            partial=policy,
             recompute_kv=recompute_kv,
             drain_timeout_s=drain_timeout_s,
             poll_s=poll_s,
@@ -257,7 +259,7 @@ def adapter_spec(cfg: Any, model_path: str) -> dict[str, Any] | None:
     """What a replica writes into each pushed adapter's adapter_config.json (None without LoRA)."""
     from app.trainer.lora import LoraSpec
 
-    spec = LoraSpec.from_config(cfg.model)
+    spec = LoraSpec.from_config(cfg.model.lora)
     if spec is None:
         return None
     return {

@@ -63,7 +63,7 @@ under way is admitted (its `start` returns) only after it received and verified 
 With `rollout.partial=off` a push drains the replica first (`GenerationGate`): requests already inside finish
 under the old weights, samples of theirs that vLLM queued behind `max_num_seqs` included, and new ones wait.
 
-LoRA (`model.lora_rank > 0`, `rollout.partial=finish_on_old`): the trainer pushes the adapter tensors alone
+LoRA (`model.lora.rank > 0`, `rollout.partial=finish_on_old`): the trainer pushes the adapter tensors alone
 (`Learner.push_specs`), with the same plan, version and checksums. A replica never pauses: its workers receive
 the adapter and write it as a PEFT folder, the engine adds it as the adapter of version v beside the older
 ones (vLLM `add_lora`, id v + 1), new requests take it, requests in flight finish on the adapter they were
@@ -84,6 +84,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from app.infra.ray_compat import current_actor
+from app.rollout.partial import PartialPolicy, partial_policy
 from app.trainer.comm import bcast
 from app.vllm import engine as vla
 from app.weights.aborts import ReplicaControl
@@ -356,7 +357,7 @@ class ReplicaSync:
         *,
         hub: Any,
         control: str | None,
-        partial: str = "keep",
+        partial: PartialPolicy = partial_policy("keep"),
         recompute_kv: bool = True,
         drain_timeout_s: float = 120.0,
         poll_s: float = 2.0,
@@ -371,7 +372,7 @@ class ReplicaSync:
         # LoRA (rollout.partial=finish_on_old): the LoraSpec of the pushed adapters, as a dict
         self.lora = lora
         self.control = ReplicaControl(engine, replica_id, control, poll_s)  # run control's aborts
-        self.gate = GenerationGate()  # partial=off: a push drains the replica first
+        self.gate = GenerationGate()  # where `partial.drains` (off): a push drains the replica first
         self.poll_s, self.metrics = poll_s, metrics
         self.started = started or time.time()
         self.workers = workers  # tensor parallel size; each worker is one receiver rank

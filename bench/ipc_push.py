@@ -75,6 +75,7 @@ def trainer_state(path: str) -> dict:
 
 async def push(engine, state: dict, version: int, bucket_mb: float, loop, load: str) -> dict:
     """One push as ReplicaSync does it: pause(keep) -> relay_receive -> set version -> resume."""
+    from app.rollout.partial import partial_policy
     from app.vllm import engine as vla
     from app.weights.buckets import plan_buckets
     from app.weights.records import plan_to_json
@@ -90,7 +91,7 @@ async def push(engine, state: dict, version: int, bucket_mb: float, loop, load: 
 
     th = threading.Thread(target=send)
     th.start()
-    await vla.pause(engine, "keep", RECOMPUTE_KV)
+    await vla.pause(engine, partial_policy("keep"), RECOMPUTE_KV)
     t_paused = time.perf_counter()
     res = await vla.rpc(engine, "relay_receive", plan_json=plan_to_json(plan), load=load)
     await vla.set_version(engine, version)

@@ -1,5 +1,7 @@
 """TRL's and verl's names (app/config/aliases.py): each alias in the README's migration table resolves to the
-Relay key it names, and a name that means something else here is refused with what to set instead."""
+Relay key it names, and a name that means something else here is refused with what to set instead. Relay's
+own old names (`model.lora_rank`) are taken as the present keys, in overrides and YAML files, one warning
+each."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ALL_KEYS, ConfigError, load_config
-from app.config.aliases import ALIASES, FOREIGN_HINTS
+from app.config.aliases import ALIASES, FOREIGN_HINTS, OLD_NAMES
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -55,3 +57,61 @@ def test_names_that_mean_something_else_are_refused_with_the_fix():
     for name, hint in FOREIGN_HINTS.items():
         with pytest.raises(ConfigError, match=re.escape(hint)):
             load_config(None, [f"{name}=1"])
+
+
+def test_old_names_are_a_table_of_their_own():
+    assert all(new in ALL_KEYS and old not in ALL_KEYS for old, new in OLD_NAMES.items())
+    assert not set(OLD_NAMES) & set(ALIASES)  # not in the README's migration table
+    assert {k for k in ALL_KEYS if k.startswith("model.lora.")} == set(OLD_NAMES.values())
+
+
+def _old_name_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "is the old name of" in r.getMessage()]
+
+
+def test_old_names_as_overrides_set_the_new_keys_with_one_warning_each(caplog):
+    old = [
+        "model.lora_rank=8",
+        "model.lora_alpha=4",
+        "model.lora_dropout=0.1",
+        "model.lora_targets=q_proj,v_proj",
+        "model.lora_merge=true",
+    ]
+    cfg = load_config(None, old)
+    assert cfg == load_config(None, [o.replace("lora_", "lora.") for o in old])
+    lora = cfg.model.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.targets) == (
+        8,
+        4.0,
+        0.1,
+        "q_proj,v_proj",
+    ) and lora.merge
+    assert cfg.rollout.partial == "finish_on_old"  # LoRA's default follows the old name too
+    warned = _old_name_warnings(caplog)
+    assert len(warned) == len(old)  # one for each old name, none for the new names
+    assert warned[0].startswith(
+        "model.lora_rank is the old name of model.lora.rank; taken as model.lora.rank=8."
+    )
+
+
+def test_old_names_in_a_yaml_file_load_as_the_new_keys(tmp_path, caplog):
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  lora_rank: 16\n  lora_alpha: 32\n  lora_targets: q_proj,k_proj\n")
+    new = tmp_path / "new.yaml"
+    new.write_text("model:\n  lora:\n    rank: 16\n    alpha: 32\n    targets: q_proj,k_proj\n")
+    assert load_config(str(new)) is not None and not _old_name_warnings(caplog)
+    cfg = load_config(str(old))
+    assert cfg == load_config(str(new))
+    assert (
+        cfg.model.lora.rank == 16 and cfg.model.lora.alpha == 32 and cfg.model.lora.targets == "q_proj,k_proj"
+    )
+    warned = _old_name_warnings(caplog)
+    assert len(warned) == 3 and all(f"(in {old})" in w for w in warned)
+    assert "model.lora_alpha is the old name of model.lora.alpha; taken as model.lora.alpha=32" in warned[1]
+
+
+def test_a_yaml_file_with_both_names_of_a_key_is_refused(tmp_path):
+    both = tmp_path / "both.yaml"
+    both.write_text("model:\n  lora_rank: 16\n  lora:\n    rank: 8\n")
+    with pytest.raises(ConfigError, match=r"sets both model.lora_rank and model.lora.rank"):
+        load_config(str(both))

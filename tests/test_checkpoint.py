@@ -305,6 +305,33 @@ def test_resume_lists_other_changes_in_one_warning(tmp_path, caplog):
     assert "ray.name" not in msg and "cache_dir" not in msg  # where the run is hosted: not a change
 
 
+def test_a_run_saved_under_the_old_lora_names_resumes(tmp_path, caplog):
+    """A checkpoint whose config has the flat `model.lora_*` keys is compared under `model.lora.*`: the same
+    settings resume without a change listed, another rank is refused naming the present key."""
+    from app.config import load_config, to_container
+
+    data, model = tmp_path / "train.jsonl", _model(tmp_path / "m")
+    data.write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
+
+    def ident(config: dict) -> dict:
+        return resume_check.identity(config, model, str(data), "/cache/val.jsonl")
+
+    saved = to_container(load_config(None, ["model.lora.rank=8", "model.lora.targets=q_proj"]))
+    saved["model"].update({f"lora_{k}": v for k, v in saved["model"].pop("lora").items()})  # the old layout
+    assert saved["model"]["lora_rank"] == 8 and "lora" not in saved["model"]
+    ckpt = _ckpt_with(tmp_path, ident(saved))
+    now = to_container(load_config(None, ["model.lora.rank=8", "model.lora.targets=q_proj"]))
+    with caplog.at_level(logging.WARNING):
+        assert resume_check.check(ckpt, ident(now), new_data_ok=False) is False
+    # no config change, and no old-name warning: the user did not write the saved config
+    assert not caplog.records
+    now["model"]["lora"]["rank"] = 16
+    with pytest.raises(
+        resume_check.ResumeMismatch, match="model.lora.rank: the checkpoint was saved with 8,"
+    ):
+        resume_check.check(ckpt, ident(now), new_data_ok=False)
+
+
 def test_resume_compares_a_legacy_checkpoint_with_its_run_config(tmp_path, caplog):
     ckpt = tmp_path / "run" / "ray_train" / "run" / "step_000002_1"
     ckpt.mkdir(parents=True)

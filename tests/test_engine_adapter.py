@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from app.rollout.partial import partial_policy
 from app.vllm import engine as vla
 
 
@@ -67,14 +68,14 @@ def test_pause_maps_partial_and_recompute_kv(
 ) -> None:
     """No pause clears the whole KV cache (vLLM walks every block of it: about 0.5 s on a large GPU)."""
     eng = _Engine(in_flight=in_flight)
-    asyncio.run(vla.pause(eng, partial, recompute_kv))
+    asyncio.run(vla.pause(eng, partial_policy(partial), recompute_kv))
     assert eng.calls == calls
 
 
 def test_pause_clears_a_prefix_cache() -> None:
     """An engine with a prefix cache drops its hashes at every pause: they name blocks of the old weights."""
     eng = _Engine(in_flight=True, prefix_caching=True)
-    asyncio.run(vla.pause(eng, "keep", True))
+    asyncio.run(vla.pause(eng, partial_policy("keep"), True))
     assert eng.calls == [("core", "keep", True)]
 
 
@@ -109,7 +110,8 @@ class _LoadingEngine(_Engine):
 
 def _paused_call(eng: _Engine, partial: str, recompute_kv: bool = True) -> tuple:
     async def run() -> tuple:
-        return await asyncio.wait_for(vla.paused_call(eng, partial, recompute_kv, "relay_receive"), 5)
+        call = vla.paused_call(eng, partial_policy(partial), recompute_kv, "relay_receive")
+        return await asyncio.wait_for(call, 5)
 
     return asyncio.run(run())
 

@@ -75,7 +75,7 @@ def test_a_replica_and_the_local_engine_take_one_set_of_engine_settings():
     args = replica_engine.engine_args(cfg)
     assert (args["seed"], args["max_num_seqs"], args["use_gpu"]) == (3, 16, False)
     assert args["dtype"] == cfg.model.dtype
-    assert args["max_model_len"] == cfg.rollout.max_model_len and args["lora_rank"] == cfg.model.lora_rank
+    assert args["max_model_len"] == cfg.rollout.max_model_len and args["lora_rank"] == cfg.model.lora.rank
     env = replica_engine.engine_env(cfg)  # a CPU engine: its KV space, one worker in the engine core, no GPU
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["CUDA_VISIBLE_DEVICES"] == ""

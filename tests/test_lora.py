@@ -170,10 +170,10 @@ def test_targets_parse_and_spec_from_config():
     assert lora.parse_targets(" q_proj, k_proj,,q_proj ") == ["q_proj", "k_proj"]
 
     class M:
-        lora_rank, lora_alpha, lora_dropout, lora_targets = 0, 16.0, 0.0, "q_proj"
+        rank, alpha, dropout, targets = 0, 16.0, 0.0, "q_proj"
 
     assert lora.LoraSpec.from_config(M) is None
-    M.lora_rank = 8
+    M.rank = 8
     assert lora.LoraSpec.from_config(M) == lora.LoraSpec(8, 16.0, 0.0, ("q_proj",))
     assert lora.LoraSpec.from_config(M).scaling == 2.0
 
@@ -182,19 +182,19 @@ def test_targets_parse_and_spec_from_config():
     ("overrides", "match"),
     [
         (
-            ["model.lora_rank=8", "rollout.partial=keep"],
-            r"'rollout.partial': 'keep' with model.lora_rank=8.*finish_on_old",
+            ["model.lora.rank=8", "rollout.partial=keep"],
+            r"'rollout.partial': 'keep' with model.lora.rank=8.*finish_on_old",
         ),
-        (["rollout.partial=finish_on_old"], r"finish_on_old needs LoRA \(model.lora_rank > 0\)"),
-        (["model.lora_rank=8", "model.lora_targets=q_proj,model.x"], r"'model.x' is not a layer name"),
-        (["model.lora_rank=8", "model.lora_targets= "], r"'model.lora_targets': empty"),
+        (["rollout.partial=finish_on_old"], r"finish_on_old needs LoRA \(model.lora.rank > 0\)"),
+        (["model.lora.rank=8", "model.lora.targets=q_proj,model.x"], r"'model.x' is not a layer name"),
+        (["model.lora.rank=8", "model.lora.targets= "], r"'model.lora.targets': empty"),
         (
-            ["model.lora_rank=8", "algorithm.kl_coef=0.1", "ref.workers=1"],
+            ["model.lora.rank=8", "algorithm.kl_coef=0.1", "ref.workers=1"],
             r"'ref.workers': 1 .*set ref.workers=0",
         ),
-        (["model.lora_rank=600"], r"'model.lora_rank': 600; must be in \[0, 512\]"),
-        (["model.lora_rank=8", "model.lora_alpha=0"], r"'model.lora_alpha': 0"),
-        (["model.lora_dropout=1.0"], r"'model.lora_dropout': 1.0; must be in \[0, 1\)"),
+        (["model.lora.rank=600"], r"'model.lora.rank': 600; must be in \[0, 512\]"),
+        (["model.lora.rank=8", "model.lora.alpha=0"], r"'model.lora.alpha': 0"),
+        (["model.lora.dropout=1.0"], r"'model.lora.dropout': 1.0; must be in \[0, 1\)"),
     ],
 )
 def test_config_refuses_bad_lora_settings(overrides, match):
@@ -208,9 +208,9 @@ def test_config_lora_defaults_to_finish_on_old():
     from app.config import load_config
 
     assert load_config(None, []).rollout.partial == "keep"  # full fine-tuning: as before
-    cfg = load_config(None, ["model.lora_rank=8"])
+    cfg = load_config(None, ["model.lora.rank=8"])
     assert cfg.rollout.partial == "finish_on_old"
-    assert lora.LoraSpec.from_config(cfg.model).targets == (
+    assert lora.LoraSpec.from_config(cfg.model.lora).targets == (
         "q_proj",
         "k_proj",
         "v_proj",
@@ -249,6 +249,7 @@ def test_adapter_book_keeps_old_adapters_while_requests_use_them():
 
 
 def test_engine_needs_add_lora_for_finish_on_old():
+    from app.rollout.partial import partial_policy
     from app.vllm import engine as vla
 
     class Engine:
@@ -258,9 +259,9 @@ def test_engine_needs_add_lora_for_finish_on_old():
         def update_weight_version(self): ...
 
     with pytest.raises(vla.EngineCapabilityError, match="lacks add_lora.*rollout.partial=finish_on_old"):
-        vla.check_capabilities(Engine, "finish_on_old")
+        vla.check_capabilities(Engine, partial_policy("finish_on_old"))
     Engine.add_lora = Engine.remove_lora = lambda self: None
-    vla.check_capabilities(Engine, "finish_on_old")
+    vla.check_capabilities(Engine, partial_policy("finish_on_old"))
 
 
 def test_model_targets_are_checked_on_the_model_before_anything_starts(tmp_path):

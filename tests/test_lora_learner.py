@@ -17,10 +17,10 @@ from tests.test_packed_step import _batch, _model_dir
 
 KEYS = [
     "train.lr=0.05",
-    "model.lora_rank=4",
-    "model.lora_alpha=8",
-    "model.lora_targets=q_proj,v_proj,down_proj",
-    "model.lora_merge=true",
+    "model.lora.rank=4",
+    "model.lora.alpha=8",
+    "model.lora.targets=q_proj,v_proj,down_proj",
+    "model.lora.merge=true",
     "algorithm.kl_coef=0.1",
     "train.micro_batch_tokens=20",
     "train.logprob_chunk_tokens=3",

@@ -4,11 +4,20 @@ A `key=value` override under one of these names is taken as the Relay key, with 
 (`learning_rate=1e-6` -> `train.lr=1e-6`). Only names whose meaning is the same are aliases; `FOREIGN_HINTS`
 holds names whose meaning differs, which are refused with the Relay way of saying the same. The README's
 migration table lists both ("Coming from TRL or verl"); a unit test keeps it equal to these tables.
+
+`OLD_NAMES` holds Relay's own former names (the flat `model.lora_*` keys, now `model.lora.*`), kept apart from
+the other systems' names: an override under one is taken as the new key, a YAML file's mapping is renamed key
+by key (`rename_old_keys`), each with one warning, and a saved run's config is renamed silently so that the run
+still resumes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
+
+from app.config.base import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +72,15 @@ ALIASES: dict[str, tuple[str, str]] = {
     "custom_reward_function.path": ("reward.fn", "verl"),
 }
 
+# Relay's old name -> its present key
+OLD_NAMES: dict[str, str] = {
+    "model.lora_rank": "model.lora.rank",
+    "model.lora_alpha": "model.lora.alpha",
+    "model.lora_dropout": "model.lora.dropout",
+    "model.lora_targets": "model.lora.targets",
+    "model.lora_merge": "model.lora.merge",
+}
+
 # foreign names that mean something else here: refused with what to set instead
 FOREIGN_HINTS: dict[str, str] = {
     "per_device_train_batch_size": (
@@ -84,10 +102,71 @@ FOREIGN_HINTS: dict[str, str] = {
 
 
 def translate(key: str, value: str) -> str:
-    """The Relay key for `key`: itself, or the key it is an alias of (with one warning naming both)."""
+    """The Relay key for `key`: itself, or the key it is an alias or an old name of (with one warning naming
+    both)."""
+    if key in OLD_NAMES:
+        _warn_old(key, value, "")
+        return OLD_NAMES[key]
     found = ALIASES.get(key)
     if found is None:
         return key
     relay_key, whose = found
     log.warning("%s is %s's name for %s: taken as %s=%s", key, whose, relay_key, relay_key, value)
     return relay_key
+
+
+def rename_old_keys(data: Mapping[str, Any], source: str | None = None) -> dict[str, Any]:
+    """`data`, a config mapping (a YAML file's, a saved run's), with Relay's old names (`OLD_NAMES`) renamed:
+    flattened to dotted keys, renamed, rebuilt. `source` (where it was read) is named in one warning per old
+    name; None renames silently (a saved run's config, which the user does not edit). A mapping without an old
+    name comes back unchanged. Raises ConfigError where one mapping sets a key under both names."""
+    flat = _flat(data)
+    old = [k for k in flat if k in OLD_NAMES]
+    if not old:
+        return dict(data)
+    for key in old:
+        if OLD_NAMES[key] in flat:
+            raise ConfigError(
+                f"{source or 'the config'} sets both {key} and {OLD_NAMES[key]}: {key} is the old name of "
+                f"{OLD_NAMES[key]}; keep {OLD_NAMES[key]} alone"
+            )
+        if source is not None:
+            _warn_old(key, flat[key], f" (in {source})")
+    return _nested({OLD_NAMES.get(k, k): v for k, v in flat.items()})
+
+
+def _warn_old(key: str, value: Any, where: str) -> None:
+    new = OLD_NAMES[key]
+    log.warning(
+        "%s is the old name of %s; taken as %s=%s%s. Rename it: the old names are accepted for one release",
+        key,
+        new,
+        new,
+        value,
+        where,
+    )
+
+
+def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every leaf of `data` as `dotted.key: value` (an empty mapping is a leaf: it survives `_nested`)."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, Mapping) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """`_flat`'s inverse: `{"model.lora.rank": 8}` -> `{"model": {"lora": {"rank": 8}}}`."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, name = key.split(".")
+        node = out
+        for part in path:
+            if not isinstance(node.get(part), dict):  # absent, or a null the file gave the section
+                node[part] = {}
+            node = node[part]
+        node[name] = value
+    return out

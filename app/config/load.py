@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 def _lora_defaults(cfg: DictConfig, layers: list[tuple[str, str | None, DictConfig]]) -> None:
-    """`rollout.partial` defaults to `finish_on_old` with LoRA (`model.lora_rank > 0`) unless a layer set it."""
-    if int(cfg.model.lora_rank) <= 0:
+    """`rollout.partial` defaults to `finish_on_old` with LoRA (`model.lora.rank > 0`) unless a layer set it."""
+    if int(cfg.model.lora.rank) <= 0:
         return
     if not any(OmegaConf.select(layer, "rollout.partial") is not None for _, _, layer in layers):
         cfg.rollout.partial = "finish_on_old"
@@ -114,7 +114,8 @@ def config_files(config_file: ConfigFiles) -> list[str]:
 
 def _layers(config_file: ConfigFiles, overrides: list[str]) -> list[tuple[str, str | None, DictConfig]]:
     """Each config file, then each `key=value`, as OmegaConf layers read with `_YamlLoader`: (source, the
-    override's key or None for a file, layer)."""
+    override's key or None for a file, layer). Relay's old names (files and overrides) and other systems' names
+    (overrides) are taken as the present keys, one warning each (app/config/aliases.py)."""
     layers: list[tuple[str, str | None, DictConfig]] = []
     for name in config_files(config_file):
         path = _resolve_config_file(name)
@@ -126,6 +127,8 @@ def _layers(config_file: ConfigFiles, overrides: list[str]) -> list[tuple[str, s
             raise ConfigError(
                 f"config file {path} must be a mapping of sections (e.g. `train:`), not {data!r:.80}"
             )
+        # Relay's old names (`model.lora_rank`): renamed, one warning each
+        data = aliases.rename_old_keys(data, str(path))
         layers.append((str(path), None, OmegaConf.create(data)))
     for item in overrides:
         if "=" not in item:

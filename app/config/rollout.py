@@ -59,7 +59,7 @@ class RolloutConfig(_Section):
     """What a push does to generations in flight: `keep` freezes them and continues under the new weights
     (KV cache recomputed), `resubmit` aborts them and resubmits prompt + partial response, `off` lets them
     finish under the old weights before loading. Tokens always keep the version that produced them.
-    `finish_on_old` (LoRA only, and its default when `model.lora_rank > 0`): no pause at all; the pushed
+    `finish_on_old` (LoRA only, and its default when `model.lora.rank > 0`): no pause at all; the pushed
     adapter is loaded beside the old ones, requests in flight finish on the adapter they were admitted
     under and new ones take the new one, so every sample carries one version."""
     recompute_kv: bool = True

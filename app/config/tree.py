@@ -115,23 +115,23 @@ class RelayConfig(_Section):
     def _check_lora(self, prefix: str) -> None:
         """LoRA's cross-section rules: adapters are pushed beside the old ones (finish_on_old), and the KL
         reference is the trainer's base with the adapters off."""
-        lora, partial = self.model.lora_rank > 0, self.rollout.partial
+        lora, partial = self.model.lora.rank > 0, self.rollout.partial
         require(
             f"{prefix}rollout.partial",
             not lora or partial == "finish_on_old",
-            f"{partial!r} with model.lora_rank={self.model.lora_rank}: a LoRA push loads the new adapter beside "
+            f"{partial!r} with model.lora.rank={self.model.lora.rank}: a LoRA push loads the new adapter beside "
             "the old ones and requests in flight finish on theirs; use rollout.partial=finish_on_old (the "
             "default with LoRA)",
         )
         require(
             f"{prefix}rollout.partial",
             lora or partial != "finish_on_old",
-            "finish_on_old needs LoRA (model.lora_rank > 0): full weights are loaded in place, so requests in "
-            "flight cannot finish on the old ones; use keep, resubmit or off, or set model.lora_rank",
+            "finish_on_old needs LoRA (model.lora.rank > 0): full weights are loaded in place, so requests in "
+            "flight cannot finish on the old ones; use keep, resubmit or off, or set model.lora.rank",
         )
         require(
             f"{prefix}ref.workers",
             not lora or self.ref.workers == 0,
-            f"{self.ref.workers} with model.lora_rank={self.model.lora_rank}: with LoRA the KL reference is the "
+            f"{self.ref.workers} with model.lora.rank={self.model.lora.rank}: with LoRA the KL reference is the "
             "trainer's base model with the adapters off (no copy, no reference workers); set ref.workers=0",
         )

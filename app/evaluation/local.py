@@ -162,12 +162,13 @@ async def all_groups(
 def start_engine(cfg: DictConfig, model_path: str, procs: list[Any]) -> Any:
     """The engine of a rollout replica of `cfg` on `model_path`; its processes (those this process has now
     and had not before, with theirs) are appended to `procs`, also where its start failed."""
+    from app.rollout.partial import partial_policy
     from app.vllm import engine as vla
     from app.vllm.replica_engine import engine_args
 
     before = {p.pid for p in _descendants()}
     try:
-        return vla.create_engine(model_path, **engine_args(cfg), partial=cfg.rollout.partial)
+        return vla.create_engine(model_path, **engine_args(cfg), partial=partial_policy(cfg.rollout.partial))
     finally:
         procs.extend(p for p in _descendants() if p.pid not in before and not _resource_tracker(p))
 

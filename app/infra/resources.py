@@ -424,11 +424,15 @@ def ongoing_requests(cfg: Any) -> int:
     vLLM's own queue refills a finished sequence's slot, not Serve's backing-off router (the field's doc).
     With `rollout.group_requests` a request carries a group's `n` samples: the same samples in 1/n the
     requests."""
+    # imported here: app/rollout/'s package imports the config package, which imports this module
+    from app.rollout.partial import partial_policy
+
     r = cfg.rollout
     if r.max_ongoing_requests is not None:
         return int(r.max_ongoing_requests)
     per = samples_per_request(r)
-    if r.partial == "off":  # a push's drain finishes every request inside: only those vLLM runs at once
+    # a push's drain finishes every request inside: only those vLLM runs at once
+    if partial_policy(r.partial).drains:
         return max(64 // per, -(-int(r.max_num_seqs) // per))
     step = max(int(cfg.train.batch_groups), int(r.max_inflight)) * int(r.n)
     return max(64 // per, -(-2 * int(r.max_num_seqs) // per), -(-step // per))

@@ -8,6 +8,7 @@ generator.py       `GroupGenerator`: a group's GenerateRequest (or one per sampl
 episode.py         multi-turn episodes: trajectories with loss masks
 producer.py        `AsyncProducer`, the fully_async producer: admission, bounded queue
 admission.py       pure functions of the fully async stream: admission, staleness bound, partial merge
+partial.py         `rollout.partial` as one policy object per value (`partial_policy`), asked by every role
 filtering.py       dynamic sampling: a group whose samples all got the same reward is dropped
 serve_generate.py  the `GenerateFn` over the Serve deployment (app/serve_rollout.py)
 reference.py       reference log-probs off the trainer (`RefPool`)

@@ -7,7 +7,8 @@ call when its last sample finishes. Where generation runs is behind `GenerateFn`
 `GenerateRequest` and returning a `GenerateResponse` with `n` samples): in production a thin wrapper over the
 Serve handle, in tests a fake.
 
-Partial rollouts (`rollout.partial`): with `keep` and `off` the replica handles a push itself; with
+Partial rollouts (`rollout.partial`, asked through its policy, app/rollout/partial.py): with `keep` and `off`
+the replica handles a push itself (`off` also regenerates a group's samples older than its newest); with
 `resubmit` a sample aborted by a push comes back with finish reason 'abort' and goes out again as prompt +
 partial response until it finishes (`admission.merge_partial`: every token keeps its version and log-prob).
 `freezing` (a checkpoint's clean stop) ends this: a group with an aborted sample raises `Frozen` carrying its
@@ -31,6 +32,7 @@ from app.rewards import RewardResult, overlong_penalty
 from app.rewards.styles import RewardInput
 from app.rollout import admission
 from app.rollout.episode import Episode
+from app.rollout.partial import partial_policy
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class GroupGenerator:
         self.groups = score if isinstance(score, GroupScore) else None
         self.score: ScoreFn = score.score if isinstance(score, GroupScore) else score
         self.rollout, self.reward, self.seed = rollout, reward, seed
+        self.partial = partial_policy(rollout.partial)
         self.lengths = parse_lengths(rollout.lengths)
         self.refs, self._encode = refs, encode
         self.episode: EpisodeRunner | None = None
@@ -151,7 +154,7 @@ class GroupGenerator:
         self.inflight.add(key)
         try:
             outs = await self._samples(prompt, req, reqs, score_now and not whole)
-            if self.rollout.partial == "off" and self.episode is None and not prompt.partial:
+            if self.partial.one_version_groups and self.episode is None and not prompt.partial:
                 outs = await self._one_version(prompt, reqs, outs, score_now and not whole)
         finally:
             self.inflight.discard(key)
@@ -300,7 +303,7 @@ class GroupGenerator:
         self, prompt: Prompt, req: GenerateRequest, sample: Sample, score_now: bool
     ) -> tuple[Sample, RewardResult | None]:
         """A generated sample: continued while a push aborted it (`resubmit`), decoded, scored now or later."""
-        if self.rollout.partial == "resubmit" or sample.finish_reason == "abort":
+        if self.partial.resubmits or sample.finish_reason == "abort":
             sample = await self._complete(req, sample)
         if self.freezing and sample.finish_reason == "abort":
             return sample, None
@@ -315,7 +318,7 @@ class GroupGenerator:
         resp = await self._request(uid, req)
         s = resp.samples[0]
         s.replica = s.replica or resp.replica
-        if self.rollout.partial == "resubmit" or s.finish_reason == "abort":
+        if self.partial.resubmits or s.finish_reason == "abort":
             s = await self._complete(req, s)
         return s
 

@@ -1,5 +1,5 @@
 """The trained model's final export, a folder vLLM loads: a full HF checkpoint in the replicas' dtype, or with
-LoRA a PEFT adapter folder (plus, with `model.lora_merge`, the base with the adapter merged in)."""
+LoRA a PEFT adapter folder (plus, with `model.lora.merge`, the base with the adapter merged in)."""
 
 from __future__ import annotations
 

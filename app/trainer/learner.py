@@ -65,7 +65,7 @@ class Learner:
             t.gather_once in ("on", "params") or (t.gather_once == "auto" and self.world == 1)
         )
         self.sync_every_micro = t.gather_once == "params"
-        self.lora = lora.LoraSpec.from_config(cfg.model)  # None: full fine-tuning
+        self.lora = lora.LoraSpec.from_config(cfg.model.lora)  # None: full fine-tuning
         self.model = build_fsdp_model(
             model_path,
             cfg.model.dtype,
@@ -281,7 +281,7 @@ class Learner:
     def save_hf(self, path: str, tokenizer_path: str) -> None:
         """Full HF checkpoint (model + tokenizer) that vLLM can load, in `model.dtype` (the replicas' dtype;
         the trainer keeps float32 master weights); collective, rank 0 writes. With LoRA: the adapter in PEFT
-        format and the tokenizer, plus the merged model in `merged/` with `model.lora_merge`
+        format and the tokenizer, plus the merged model in `merged/` with `model.lora.merge`
         (app/trainer/hf_export.py)."""
         m = self.cfg.model
-        export_hf(self.model, path, tokenizer_path, self.rank, m.dtype, self.lora, m.lora_merge)
+        export_hf(self.model, path, tokenizer_path, self.rank, m.dtype, self.lora, m.lora.merge)

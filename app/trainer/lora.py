@@ -50,15 +50,15 @@ class LoraSpec:
         return self.alpha / self.rank
 
     @classmethod
-    def from_config(cls, model_cfg: Any) -> LoraSpec | None:
-        """The spec of `cfg.model`, or None with `lora_rank=0` (full fine-tuning)."""
-        if int(model_cfg.lora_rank) <= 0:
+    def from_config(cls, lora_cfg: Any) -> LoraSpec | None:
+        """The spec of `cfg.model.lora`, or None with `rank=0` (full fine-tuning)."""
+        if int(lora_cfg.rank) <= 0:
             return None
         return cls(
-            rank=int(model_cfg.lora_rank),
-            alpha=float(model_cfg.lora_alpha),
-            dropout=float(model_cfg.lora_dropout),
-            targets=tuple(parse_targets(model_cfg.lora_targets)),
+            rank=int(lora_cfg.rank),
+            alpha=float(lora_cfg.alpha),
+            dropout=float(lora_cfg.dropout),
+            targets=tuple(parse_targets(lora_cfg.targets)),
         )
 
 
@@ -119,8 +119,8 @@ def check_targets(model: nn.Module, targets: tuple[str, ...] | list[str]) -> Non
     if unknown or not targets:
         what = f"unknown target(s) {', '.join(unknown)}" if unknown else "no targets"
         raise ValueError(
-            f"model.lora_targets: {what}; this model's linear layers are {', '.join(have)} "
-            "(e.g. model.lora_targets=q_proj,k_proj,v_proj,o_proj)"
+            f"model.lora.targets: {what}; this model's linear layers are {', '.join(have)} "
+            "(e.g. model.lora.targets=q_proj,k_proj,v_proj,o_proj)"
         )
 
 

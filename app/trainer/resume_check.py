@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import flatten
+from app.config.aliases import rename_old_keys
 from app.errors import UserError
 from app.trainer.checkpoint import CONFIG, sha256
 
@@ -191,20 +192,24 @@ def _compare_model(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _compare_lora(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """LoRA's rank and targets shape what a checkpoint holds (the adapters and their optimizer state)."""
+    """LoRA's rank and targets (`old`, `new`: the configs' `model.lora`) shape what a checkpoint holds (the
+    adapters and their optimizer state)."""
     out = []
-    for key in ("lora_rank", "lora_targets"):
+    for key in ("rank", "targets"):
         if key in old and old.get(key) != new.get(key, old[key]):
             out.append(
-                f"model.{key}: the checkpoint was saved with {old[key]!r}, this run gives {new.get(key)!r}"
+                f"model.lora.{key}: the checkpoint was saved with {old[key]!r}, this run gives {new.get(key)!r}"
             )
     return out
 
 
 def compare(saved: dict[str, Any], now: dict[str, Any]) -> Comparison:
-    """What changed from the checkpoint's identity `saved` to this run's `now` (see `identity`)."""
+    """What changed from the checkpoint's identity `saved` to this run's `now` (see `identity`). A config saved
+    under Relay's old key names (`model.lora_rank`) is compared under the present ones."""
+    saved = {**saved, "config": rename_old_keys(saved.get("config", {}))}
     c = Comparison(model=_compare_model(saved.get("model", {}), now.get("model", {})))
-    c.model += _compare_lora(saved.get("config", {}).get("model", {}), now.get("config", {}).get("model", {}))
+    lora_old = saved["config"].get("model", {}).get("lora", {})
+    c.model += _compare_lora(lora_old, now.get("config", {}).get("model", {}).get("lora", {}))
     old_train, new_train = saved.get("data", {}).get("train", {}), now.get("data", {}).get("train", {})
     if not _same(old_train, new_train, ("sha256", "path", "spec")):
         c.data.append(
@@ -216,7 +221,7 @@ def compare(saved: dict[str, Any], now: dict[str, Any]) -> Comparison:
             f"data.val: {_show(old_val)} -> {_show(new_val)} (validation rewards before and after differ)"
         )
     handled = ("model.path", "model.dtype", "data.train", "data.val", "data.train_weights")
-    handled += ("model.lora_rank", "model.lora_targets")
+    handled += ("model.lora.rank", "model.lora.targets")
     a, b = flatten(saved.get("config", {})), flatten(now.get("config", {}))
     w_old, w_new = a.get("data.train_weights") or [], b.get("data.train_weights") or []
     if list(w_old) != list(w_new):  # another mixture: another sequence of epochs

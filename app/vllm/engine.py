@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from app.rollout.partial import PartialPolicy, partial_policy
 from app.vllm.start_lock import engine_start_lock
 
 if TYPE_CHECKING:
@@ -33,9 +34,6 @@ class EngineCapabilityError(RuntimeError):
 
 class PauseFailed(RuntimeError):
     """`paused_call`'s pause failed before anything went to the workers: the engine holds its weights."""
-
-
-PAUSE_MODES = {"keep": "keep", "resubmit": "abort", "off": "wait"}  # rollout.partial -> vLLM pause mode
 
 
 def _capabilities(engine_cls: type) -> dict[str, bool]:
@@ -63,7 +61,7 @@ def _bookable(engine_cls: type) -> bool:
     return engine_cls.__name__ == "AsyncLLM" and RequestState is not None
 
 
-def check_capabilities(engine_cls: type, partial: str) -> None:
+def check_capabilities(engine_cls: type, partial: PartialPolicy) -> None:
     """Refuse an engine class that cannot run this configuration; the error names the capability and fix.
 
     Every run needs `collective_rpc` (weights load in the workers) and `pause_generation`/`resume_generation`
@@ -71,8 +69,6 @@ def check_capabilities(engine_cls: type, partial: str) -> None:
     requests across a load, so their tokens need per-token versions: `update_weight_version` (whose spans
     label each token with the version that sampled it).
     """
-    if partial not in (*PAUSE_MODES, "finish_on_old"):
-        raise ValueError(f"rollout.partial={partial!r}: use one of {sorted(PAUSE_MODES)} or finish_on_old")
     have = _capabilities(engine_cls)
     fixes = {
         "collective_rpc": "use vLLM >= 0.10 (Relay pins 0.32)",
@@ -83,9 +79,9 @@ def check_capabilities(engine_cls: type, partial: str) -> None:
         "add_lora": "use a vLLM whose AsyncLLM has add_lora/remove_lora (Relay pins 0.32)",
     }
     needed = ["collective_rpc", "pause_generation", "pause_generation(mode=...)"]
-    if partial == "keep":
+    if partial.spans_versions:
         needed.append("update_weight_version")
-    if partial == "finish_on_old":  # LoRA: each push adds an adapter beside the old ones
+    if partial.adapter_per_version:  # LoRA: each push adds an adapter beside the old ones
         needed.append("add_lora")
     missing = [c for c in needed if not have[c]]
     if missing:
@@ -126,7 +122,7 @@ def create_engine(
     gpu_memory_utilization: float,
     seed: int = 0,
     use_gpu: bool = False,
-    partial: str = "keep",
+    partial: PartialPolicy = partial_policy("keep"),
     cuda_graphs: bool = False,
     lora_rank: int = 0,
     max_loras: int = 4,
@@ -207,7 +203,7 @@ def _lora_args(rank: int, max_loras: int) -> dict[str, Any]:
     fits = [r for r in sizes if r >= rank]
     if not fits:
         raise EngineCapabilityError(
-            f"model.lora_rank={rank}: this vLLM serves adapters of rank <= {sizes[-1]}"
+            f"model.lora.rank={rank}: this vLLM serves adapters of rank <= {sizes[-1]}"
         )
     return {
         "enable_lora": True,
@@ -461,7 +457,9 @@ async def rpc(engine: Any, method: str, timeout: float | None = None, **kwargs: 
     return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
 
-async def pause(engine: Any, partial: str = "keep", recompute_kv: bool = True) -> None:
+async def pause(
+    engine: Any, partial: PartialPolicy = partial_policy("keep"), recompute_kv: bool = True
+) -> None:
     """Pause generation for a weight load. `keep`: in-flight requests freeze and continue after resume with
     their KV cache recomputed; `resubmit`: they are aborted (the caller resubmits them); `off`: they finish
     under the old weights first. (`check_capabilities` made sure the engine has it: never skipped.)
@@ -476,31 +474,29 @@ async def pause(engine: Any, partial: str = "keep", recompute_kv: bool = True) -
     (`reset_prefix_cache(reset_running_requests=True)`), so that they recompute their KV under the new weights.
     `pause_generation` would also add a fixed 20 ms sleep; the version book reads the outputs only at
     `set_version`, after the load."""
-    mode, core = PAUSE_MODES[partial], getattr(engine, "engine_core", None)
+    mode, core = partial.pause_mode, getattr(engine, "engine_core", None)
+    if mode is None:
+        raise ValueError(f"rollout.partial={partial} never pauses generation for a push")
     clear = _prefix_caching(engine)  # stale prefix hashes must go; without a prefix cache there are none
     if hasattr(core, "pause_scheduler_async"):
         await core.pause_scheduler_async(mode=mode, clear_cache=clear)
     else:
-        await engine.pause_generation(mode=mode, clear_cache=clear or (recompute_kv and partial == "keep"))
-    if partial == "keep" and recompute_kv and not clear and _has_unfinished(engine):
+        await engine.pause_generation(mode=mode, clear_cache=clear or (recompute_kv and partial.freezes))
+    if partial.freezes and recompute_kv and not clear and _has_unfinished(engine):
         await engine.reset_prefix_cache(reset_running_requests=True)  # the frozen ones recompute their KV
     book = _book(engine)
     if book is not None:  # frozen requests resume under the next version: mark them at `set_version`
-        book.pending = partial == "keep"
-
-
-# pause modes after whose message the engine core runs no further step: keep freezes every request, abort ends
-# them (wait lets the running ones step on, so its load must wait for the pause's answer)
-STOP_AT_ONCE = ("keep", "resubmit")
+        book.pending = partial.freezes
 
 
 async def paused_call(
-    engine: Any, partial: str, recompute_kv: bool, method: str, **kwargs: Any
+    engine: Any, partial: PartialPolicy, recompute_kv: bool, method: str, **kwargs: Any
 ) -> tuple[list[Any], float, float]:
     """Pause generation (`pause`) and run `method` in every worker (a weight load); return its results and the
     seconds from the start to the pause's answer and to the call's.
 
-    Where the pause stops every step at once (`STOP_AT_ONCE`) and goes to the engine core directly, the call
+    Where the pause stops every step at once (`partial.stops_at_once`: keep freezes every request, abort ends
+    them, where wait lets the running ones step on, so its load must wait for the pause's answer) and goes to the engine core directly, the call
     goes out right behind it instead of after its answer. The engine core takes its input in order, in one
     thread, and runs no step once it took such a pause, so no step falls between the pause and the load; a
     step still in flight ran its kernels on the stream the workers then queue their loads on, so the loads
@@ -510,7 +506,7 @@ async def paused_call(
     pause, then call (`PauseFailed` where that pause fails). Either way the pause has finished (its cache reset
     and version book included) on return."""
     t0 = time.perf_counter()
-    if partial not in STOP_AT_ONCE or not hasattr(
+    if not partial.stops_at_once or not hasattr(
         getattr(engine, "engine_core", None), "pause_scheduler_async"
     ):
         try:

@@ -32,7 +32,7 @@ def engine_args(cfg: Any) -> dict[str, Any]:
         seed=cfg.seed,
         use_gpu=r.replica_gpus > 0,
         cuda_graphs=r.cuda_graphs,
-        lora_rank=cfg.model.lora_rank,
+        lora_rank=cfg.model.lora.rank,
         tensor_parallel_size=r.tensor_parallel_size,
     )
 

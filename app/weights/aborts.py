@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from app.rollout.partial import partial_policy
 from app.vllm import engine as vla
 from app.weights.records import Abort, Ack
 
@@ -73,7 +74,7 @@ class ReplicaControl:
         """End every in-flight generation now: each returns its tokens so far with finish reason 'abort'
         (the rollouter saves them as partial rollouts in a checkpoint)."""
         try:
-            await vla.pause(self.engine, "resubmit")
+            await vla.pause(self.engine, partial_policy("resubmit"))  # its pause aborts every request
             await vla.resume(self.engine)
             ack = Ack(ok=True)
         except Exception as e:

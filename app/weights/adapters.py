@@ -1,4 +1,4 @@
-"""A replica's LoRA adapters (`model.lora_rank > 0`, `rollout.partial=finish_on_old`): how each push arrives,
+"""A replica's LoRA adapters (`model.lora.rank > 0`, `rollout.partial=finish_on_old`): how each push arrives,
 is taken by new requests, and leaves.
 
 A push never pauses generation: the workers receive the adapter tensors and write them as a PEFT folder, the

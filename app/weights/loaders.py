@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from app.rollout.partial import PartialPolicy
 from app.vllm import engine as vla
 from app.weights.records import PushPlan, plan_to_json
 
@@ -82,7 +83,7 @@ class PausedLoad:
         engine: Any,
         replica_id: str,
         *,
-        partial: str,
+        partial: PartialPolicy,
         recompute_kv: bool,
         gate: GenerationGate,
         drain_timeout_s: float,
@@ -103,7 +104,7 @@ class PausedLoad:
         )
 
     def _drained(self, version: int) -> contextlib.AbstractAsyncContextManager:
-        if self.partial != "off":
+        if not self.partial.drains:
             return contextlib.nullcontext()
         return self.gate.drained(self.drain_timeout_s, f"replica {self.replica_id}, push of v{version}")
 

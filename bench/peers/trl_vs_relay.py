@@ -126,7 +126,7 @@ def unmatched(cfg: dict[str, Any]) -> list[str]:
         "algorithm.ppo_mini_batch_size": (a["ppo_mini_batch_size"] == 0, "0"),
         "algorithm.val_temperature": (a["val_temperature"] == 0, "0 (greedy)"),
         "train.warmup_steps": (t["warmup_steps"] == 0, "0"),
-        "model.lora_rank": (m["lora_rank"] == 0, "0"),
+        "model.lora.rank": (m["lora"]["rank"] == 0, "0"),
         "rollout.stop": (not r["stop"], "[]"),
         "reward.fn": (cfg["reward"]["fn"] in ("auto", "exact_match") and not cfg["reward"]["fns"], "auto"),
         "env.name": (not cfg["env"]["name"], "''"),
@@ -136,8 +136,10 @@ def unmatched(cfg: dict[str, Any]) -> list[str]:
 
 
 def _get(cfg: dict[str, Any], key: str) -> Any:
-    section, name = key.split(".")
-    return cfg[section][name]
+    node: Any = cfg
+    for part in key.split("."):  # `model.lora.rank`: a section inside a section
+        node = node[part]
+    return node
 
 
 def trl_settings(cfg: dict[str, Any], out_dir: str) -> dict[str, Any]:

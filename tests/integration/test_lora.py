@@ -94,7 +94,7 @@ def test_lora_sync_then_one_step_off_then_fully_async_pushes_adapters_without_a_
         "rollout.ignore_eos=true",
         "rollout.max_num_seqs=4",
         "rollout.max_inflight=6",
-        "model.lora_merge=true",
+        "model.lora.merge=true",
         resume=str(tmp_path / "lora-off"),
     )
     history = res["history"]
