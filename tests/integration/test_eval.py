@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,7 +98,9 @@ def test_eval_on_one_machine_runs_vllm_in_process(cache_dir, async_keep_run, tmp
             p.send_signal(signal.SIGKILL)
     assert proc.returncode == 0, stderr[-4000:]
     assert not left, f"processes of the evaluation still running after it ended: {left}"
-    assert any("EngineCore" in cmd for cmd in started.values()), started  # vLLM's engine, under the eval
+    # vLLM's engine process (the pid it logs with each line), under the eval and gone with it
+    engines = {int(pid) for pid in re.findall(r"EngineCore pid=(\d+)", out.read_text() + stderr)}
+    assert engines and engines <= {p.pid for p in started}, (engines, started)
     assert not any(ray in cmd for cmd in started.values() for ray in ("raylet", "gcs_server")), started
     print(f"local eval run {eval_s:.0f}s")
     assert "with one vLLM engine in this process (no Ray)" in stderr

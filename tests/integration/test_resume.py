@@ -192,13 +192,14 @@ def _refused_then_damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b
         f"model.path={other_model}",
         "model.allow_toy_settings=true",  # a model that is not built in, on the toy task
     )
-    assert rc == 1 and "'builtin:tiny'" in res["error"] and f"'{other_model}'" in res["error"], res
+    # refused before anything starts: an input error (exit 2), like a config error
+    assert rc == 2 and "'builtin:tiny'" in res["error"] and f"'{other_model}'" in res["error"], res
     assert "MLflow run" not in err, "refused only after the run opened"
     _prompts(cache_dir, tmp_path / "other.jsonl", 16)
     rc, res, err, secs_d = _resume_cli(
         ray_cluster, cache_dir, tmp_path, "resume-d", common, f"data.train={tmp_path / 'other.jsonl'}"
     )
-    assert rc == 1 and "other.jsonl" in res["error"] and "--resume-with-new-data" in res["error"], res
+    assert rc == 2 and "other.jsonl" in res["error"] and "--resume-with-new-data" in res["error"], res
     assert "MLflow run" not in err, "refused only after the run opened"
 
     damaged = Path(res_b["checkpoint"])
