@@ -66,6 +66,9 @@ class RolloutServer:
     ) -> None:
         import ray
 
+        from app.infra.log_filters import quiet_dead_engine_requests
+
+        quiet_dead_engine_requests()  # an engine's death: one line, not a traceback per failed request
         self.started = time.time()
         self.replica_id = ray_compat.replica_id()
         workers = int(engine.get("tensor_parallel_size", 1))

@@ -338,3 +338,30 @@ def test_each_push_is_one_debug_line(caplog):
         ts.push(4)
     [rec] = caplog.records
     assert rec.levelno == logging.DEBUG and rec.getMessage().startswith("push v4: ")
+
+
+def test_a_dead_engines_failed_requests_are_one_line_in_a_replicas_log():
+    """Serve logs each failed request with its traceback: after an engine's death, the first EngineDeadError
+    is one line, the rest are dropped; another failure keeps its record and traceback."""
+    import logging
+
+    from app.infra.log_filters import DeadEngineRequestFilter
+
+    class EngineDeadError(RuntimeError):
+        pass
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            info = sys.exc_info()
+        return logging.LogRecord("ray.serve", logging.ERROR, "replica.py", 1, "Request failed.", None, info)
+
+    f = DeadEngineRequestFilter()
+    wrapped = RuntimeError("task failed")
+    wrapped.cause = EngineDeadError("engine died")  # as Ray's RayTaskError keeps it
+    first, *rest = [record(EngineDeadError("engine died")), *(record(wrapped) for _ in range(200))]
+    assert f.filter(first) and first.exc_info is None and "EngineDeadError" in first.getMessage()
+    assert not any(f.filter(r) for r in rest) and f.dropped == 201
+    other = record(ValueError("a bad request"))
+    assert f.filter(other) and other.exc_info is not None

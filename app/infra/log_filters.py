@@ -194,6 +194,53 @@ class CleanerStopFilter(logging.Filter):
         return True
 
 
+SERVE_LOGGER = "ray.serve"
+
+
+class DeadEngineRequestFilter(logging.Filter):
+    """In a rollout replica: Serve logs every request that raised ("Request failed.") with its traceback. When
+    the replica's vLLM engine dies, every request in flight and every one routed to it before Serve's health
+    check replaces it raises EngineDeadError (the rollouter retries each on a live replica): one traceback
+    each made an engine kill's log hundreds of kB. The first such record is kept as one line, the rest are
+    dropped; any other failure keeps its record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or not record.getMessage().startswith("Request failed") or not _engine_dead(exc):
+            return True
+        if self.dropped == 0:
+            record.msg = (
+                "Request failed: %s (its vLLM engine died); the rollouter retries such requests on live "
+                "replicas, and further ones are not logged"
+            )
+            record.args = (type(exc).__name__,)
+            record.exc_info, record.exc_text = None, None
+        self.dropped += 1
+        return self.dropped == 1
+
+
+def _engine_dead(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(c.__name__ == "EngineDeadError" for c in type(e).__mro__):
+            return True
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return False
+
+
+def quiet_dead_engine_requests() -> None:
+    """Install DeadEngineRequestFilter on Serve's logger (in a replica process; idempotent)."""
+    logger = logging.getLogger(SERVE_LOGGER)
+    if not any(isinstance(f, DeadEngineRequestFilter) for f in logger.filters):
+        logger.addFilter(DeadEngineRequestFilter())
+
+
 def quiet_train_controller() -> None:
     """Install CleanerStopFilter on Ray Train's cleaner logger (in the controller process; idempotent)."""
     logger = logging.getLogger(PG_CLEANER_LOGGER)
