@@ -10,10 +10,28 @@ module imports nothing of app/, so any module can use it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 
 class UserError(Exception):
     """Marks an error class as the user's to fix: its message names the problem and the fix."""
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then what it wraps, each once: a Ray task error's `cause` first, else `__cause__`, else
+    `__context__`."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+
+
+def raised_as(exc: BaseException, names: set[str] | frozenset[str]) -> bool:
+    """Whether `exc` or anything in its chain is of a class named in `names` (by name: the classes need not be
+    importable here, e.g. vLLM's EngineDeadError in a process without vLLM)."""
+    return any(c.__name__ in names for e in exception_chain(exc) for c in type(e).__mro__)
 
 
 def user_error(exc: BaseException) -> UserError | None:

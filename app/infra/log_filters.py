@@ -38,6 +38,8 @@ import os
 import re
 import sys
 
+from app.errors import raised_as
+
 ENV = "RELAY_LOG_LEVEL"
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 VLLM_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -210,7 +212,11 @@ class DeadEngineRequestFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is None or not record.getMessage().startswith("Request failed") or not _engine_dead(exc):
+        if (
+            exc is None
+            or not record.getMessage().startswith("Request failed")
+            or not raised_as(exc, {"EngineDeadError"})
+        ):
             return True
         if self.dropped == 0:
             record.msg = (
@@ -221,17 +227,6 @@ class DeadEngineRequestFilter(logging.Filter):
             record.exc_info, record.exc_text = None, None
         self.dropped += 1
         return self.dropped == 1
-
-
-def _engine_dead(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if any(c.__name__ == "EngineDeadError" for c in type(e).__mro__):
-            return True
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
-    return False
 
 
 def quiet_dead_engine_requests() -> None:

@@ -16,6 +16,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+from app.errors import raised_as
 from app.records import GenerateRequest, GenerateResponse
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,7 @@ RETRYABLE = {
 
 def retryable(exc: BaseException) -> bool:
     """The error says a replica or its engine died (retry elsewhere), not that the request is bad."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if any(c.__name__ in RETRYABLE for c in type(e).__mro__):
-            return True
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
-    return False
+    return raised_as(exc, RETRYABLE)
 
 
 RETRY_LOG_EVERY_S = 30.0
