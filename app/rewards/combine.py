@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import PurePath
 
+from app.plugins import PICKLED, is_file_spec
 from app.rewards import RewardResult
 
 RESERVED = ("mean", "std", "sub")
@@ -46,9 +47,9 @@ def spec_name(spec: str) -> str:
     `pkg.mod:Scorer.call` -> Scorer.call, `pkg.mod.fn` (the older dotted form) -> fn, `dir/reward.py:fn` ->
     fn, `dir/reward.py` -> compute_score (verl's default), `pickle:dir/name.pkl` -> name."""
     spec = spec.strip()
-    if spec.startswith("pickle:"):
-        return PurePath(spec.removeprefix("pickle:")).stem
-    if spec.partition(":")[0].endswith(".py"):
+    if spec.startswith(PICKLED):
+        return PurePath(spec.removeprefix(PICKLED)).stem
+    if is_file_spec(spec):
         return spec.rpartition(":")[2] if ":" in spec else "compute_score"
     if ":" in spec:
         return spec.partition(":")[2]
@@ -60,9 +61,9 @@ def qualified_name(spec: str, depth: int = 1) -> str:
     (verl names every reward `compute_score`): `a/math_rm.py:compute_score` -> math_rm.compute_score (depth
     2: a.math_rm.compute_score), `pkg.judge:score` -> judge.score (depth 2: pkg.judge.score)."""
     spec = spec.strip()
-    if spec.startswith("pickle:"):
+    if spec.startswith(PICKLED):
         return spec_name(spec)
-    if spec.partition(":")[0].endswith(".py"):
+    if is_file_spec(spec):
         path = PurePath(spec.rpartition(":")[0] if ":" in spec else spec)
         parts = [*path.parent.parts, path.stem]
     else:
