@@ -71,16 +71,21 @@ def _rows(data: Rows, name: str) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
-def _write_rows(rows: list[dict[str, Any]], folder: Path, name: str) -> Path:
-    text = "".join(json.dumps(r, default=str) + "\n" for r in rows)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = folder / digest / f"{name}.jsonl"
-    if not path.exists():  # the same rows, the same file: a resume finds the data it started with
+def _store(blob: bytes, folder: Path, filename: str) -> Path:
+    """`blob` as `folder/<its digest>/filename`, written once (whole, or not at all): the same content, the
+    same file, so a resume finds the inputs it started with."""
+    path = folder / hashlib.sha256(blob).hexdigest()[:16] / filename
+    if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
+        tmp.write_bytes(blob)
         tmp.replace(path)
     return path
+
+
+def _write_rows(rows: list[dict[str, Any]], folder: Path, name: str) -> Path:
+    text = "".join(json.dumps(r, default=str) + "\n" for r in rows)
+    return _store(text.encode(), folder, f"{name}.jsonl")
 
 
 def _reward_spec(fn: RewardArg, i: int, folder: Path) -> str:
@@ -93,12 +98,7 @@ def _reward_spec(fn: RewardArg, i: int, folder: Path) -> str:
 
     name = getattr(fn, "__name__", "")
     name = name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else f"reward_{i}"
-    blob = cloudpickle.dumps(fn)
-    path = folder / hashlib.sha256(blob).hexdigest()[:16] / f"{name}.pkl"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(blob)
-    return f"pickle:{path}"
+    return f"pickle:{_store(cloudpickle.dumps(fn), folder, f'{name}.pkl')}"
 
 
 def _override_list(overrides: Mapping[str, Any] | Sequence[str] | None) -> list[str]:
@@ -150,8 +150,8 @@ def train(
 ) -> dict[str, Any]:
     """Run one training job as `relay train --config CONFIG key=value ...` would; the RESULT record."""
     _shadow_check()
+    from app.config import load_config  # the roles' checks run once, in `run` (app.driver.prepare)
     from app.infra.log_filters import configure_logging, quiet_ray_noise
-    from app.preflight import load_config
 
     quiet_ray_noise()
     given = _override_list(overrides) + ([f"train.resume={resume}"] if resume else [])
