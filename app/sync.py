@@ -9,7 +9,8 @@ Protocol (one trainer, N receivers; a receiver is one vLLM worker process of one
          trainer's default group, and acknowledges the epoch. A member that does not acknowledge within
          the deadline is dropped and the epoch is formed again without it.
   push   1. Rank 0 announces (version v, bucket plan) through the hub: names, shapes, dtypes and offsets
-            of every tensor in every flat bucket of at most `sync.bucket_mb` MiB.
+            of every tensor in every flat bucket of at most the transport's bucket size
+            (`sync.broadcast.bucket_mb`; the CUDA-IPC transport's `sync.ipc.bucket_mb`).
          2. Every trainer rank walks the buckets in the same order and gathers each bucket's full tensors
             (an FSDP2 collective) in lock-step; only rank 0 packs and broadcasts. Rank 0 keeps gathering
             even after a send failed, so the other ranks never wait in a gather rank 0 will not join.
@@ -301,8 +302,7 @@ class TrainerSync:
 
         s = self.cfg.sync
         self.settle(s.timeout_s, last_call=True)  # the previous push's replica answers, if still pending
-        mb = float(getattr(s, getattr(self.walker, "bucket_setting", "bucket_mb"), s.bucket_mb))
-        plan = self._plan(version, int(mb * 2**20))
+        plan = self._plan(version, int(self.walker.bucket_mb(s) * 2**20))  # the transport's own section
         t_start = time.perf_counter()
         deadline = time.monotonic() + self._budget_s()
         tries = 0

@@ -305,10 +305,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0.5b,1.5b,3b")
     ap.add_argument("--pushes", type=int, default=3)
-    from app.config import SyncConfig
+    from app.config.weights import IpcSyncConfig
 
     ap.add_argument(
-        "--bucket-mb", type=float, default=SyncConfig.ipc_bucket_mb, help="default: sync.ipc_bucket_mb"
+        "--bucket-mb", type=float, default=IpcSyncConfig.bucket_mb, help="default: sync.ipc.bucket_mb"
     )
     ap.add_argument("--gpu-util", type=float, default=0.4)
     ap.add_argument(

@@ -116,7 +116,7 @@ def run_shape(
             "model.allow_toy_settings=true",  # a model shape on the toy task
             f"model.cache_dir={models}",
             f"ray.name={name}",
-            f"sync.bucket_mb={bucket_mb}",
+            f"sync.broadcast.bucket_mb={bucket_mb}",
             "rollout.max_model_len=512",
             *overrides,
         ],
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument(
         "--loaded", type=int, default=0, help="then this many pushes with generations in flight (keep mode)"
     )
-    ap.add_argument("--bucket-mb", type=float, default=256.0, help="sync.bucket_mb (NCCL)")
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="sync.broadcast.bucket_mb (NCCL)")
     ap.add_argument(
         "--preset", default="gpu2", help="gpu2 (disaggregated, NCCL) or colocated (every GPU, CUDA IPC)"
     )

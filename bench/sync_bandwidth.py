@@ -361,7 +361,7 @@ def parse_args() -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU (default when CUDA has < 2 GPUs)")
     ap.add_argument("--sizes", default=None, help="comma list of " + ",".join(QWEN2_SHAPES))
-    ap.add_argument("--bucket-mb", type=float, default=64.0, help="sync.bucket_mb (the config default)")
+    ap.add_argument("--bucket-mb", type=float, default=64.0, help="sync.broadcast.bucket_mb")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default="current,nockpt,legacy")

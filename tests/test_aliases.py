@@ -1,7 +1,7 @@
 """TRL's and verl's names (app/config/aliases.py): each alias in the README's migration table resolves to the
 Relay key it names, and a name that means something else here is refused with what to set instead. Relay's
-own old names (`model.lora_rank`) are taken as the present keys, in overrides and YAML files, one warning
-each."""
+own old names (`model.lora_rank`, `sync.bucket_mb`) are taken as the present keys, in overrides and YAML files,
+one warning each, and in a saved run's config without one."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def test_names_that_mean_something_else_are_refused_with_the_fix():
 def test_old_names_are_a_table_of_their_own():
     assert all(new in ALL_KEYS and old not in ALL_KEYS for old, new in OLD_NAMES.items())
     assert not set(OLD_NAMES) & set(ALIASES)  # not in the README's migration table
-    assert {k for k in ALL_KEYS if k.startswith("model.lora.")} == set(OLD_NAMES.values())
+    moved = ("model.lora.", "sync.broadcast.", "sync.ipc.")  # the sections that took over flat keys
+    assert {k for k in ALL_KEYS if k.startswith(moved)} == set(OLD_NAMES.values())
 
 
 def _old_name_warnings(caplog) -> list[str]:
@@ -115,3 +116,58 @@ def test_a_yaml_file_with_both_names_of_a_key_is_refused(tmp_path):
     both.write_text("model:\n  lora_rank: 16\n  lora:\n    rank: 8\n")
     with pytest.raises(ConfigError, match=r"sets both model.lora_rank and model.lora.rank"):
         load_config(str(both))
+
+
+SYNC_OLD = ["sync.bucket_mb=64", "sync.ipc_bucket_mb=512", "sync.nccl_high_priority=true"]
+SYNC_NEW = ["sync.broadcast.bucket_mb=64", "sync.ipc.bucket_mb=512", "sync.broadcast.nccl_high_priority=true"]
+
+
+def test_the_flat_sync_keys_as_overrides_set_their_transports_keys_with_one_warning_each(caplog):
+    cfg = load_config(None, SYNC_OLD)
+    assert cfg == load_config(None, SYNC_NEW) != load_config(None, [])
+    assert (cfg.sync.broadcast.bucket_mb, cfg.sync.ipc.bucket_mb, cfg.sync.broadcast.nccl_high_priority) == (
+        64,
+        512,
+        True,
+    )
+    warned = _old_name_warnings(caplog)
+    assert len(warned) == 3
+    assert warned[1].startswith("sync.ipc_bucket_mb is the old name of sync.ipc.bucket_mb; taken as")
+
+
+def test_the_flat_sync_keys_in_a_yaml_file_load_as_their_transports_keys(tmp_path, caplog):
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "sync:\n  transport: auto\n  bucket_mb: 64\n  ipc_bucket_mb: 512\n  nccl_high_priority: true\n"
+    )
+    new = tmp_path / "new.yaml"
+    new.write_text(
+        "sync:\n  transport: auto\n  broadcast:\n    bucket_mb: 64\n    nccl_high_priority: true\n"
+        "  ipc:\n    bucket_mb: 512\n"
+    )
+    assert load_config(str(new)) == load_config(None, SYNC_NEW) and not _old_name_warnings(caplog)
+    assert load_config(str(old)) == load_config(str(new))
+    warned = _old_name_warnings(caplog)
+    assert len(warned) == 3 and all(f"(in {old})" in w for w in warned)
+    assert "sync.bucket_mb is the old name of sync.broadcast.bucket_mb; taken as" in warned[0]
+    both = tmp_path / "both.yaml"
+    both.write_text("sync:\n  ipc_bucket_mb: 512\n  ipc:\n    bucket_mb: 256\n")
+    with pytest.raises(ConfigError, match=r"sets both sync.ipc_bucket_mb and sync.ipc.bucket_mb"):
+        load_config(str(both))
+
+
+def test_a_run_saved_with_the_flat_sync_keys_compares_under_the_new_ones(caplog):
+    """A saved run's config (a checkpoint's identity) with the flat keys: the same settings are no change and
+    no warning (the user did not write it); another bucket size is listed under the present key."""
+    from app.config import to_container
+    from app.trainer.resume_check import compare
+
+    saved = to_container(load_config(None, SYNC_NEW))
+    sync = saved["sync"]
+    broadcast, ipc = sync.pop("broadcast"), sync.pop("ipc")
+    sync.update(bucket_mb=broadcast["bucket_mb"], nccl_high_priority=True, ipc_bucket_mb=ipc["bucket_mb"])
+    now = to_container(load_config(None, SYNC_NEW))
+    c = compare({"config": saved}, {"config": now})
+    assert (c.model, c.data, c.other) == ([], [], []) and not caplog.records
+    now["sync"]["ipc"]["bucket_mb"] = 1024.0
+    assert compare({"config": saved}, {"config": now}).other == ["sync.ipc.bucket_mb: 512.0 -> 1024.0"]

@@ -321,13 +321,15 @@ def test_rays_driver_drops_the_noise_and_prints_the_rest(level):
 def test_each_push_is_one_debug_line(caplog):
     """A push's phases (`PushStats.summary`) are at DEBUG: the step line carries the push's time at INFO."""
     from app.sync import TrainerSync
+    from app.weights.broadcast import BroadcastTransport
     from app.weights.records import PushStats
 
     ts = TrainerSync.__new__(TrainerSync)
     ts.cfg = SimpleNamespace(
-        train=SimpleNamespace(timeout_s=60.0), sync=SimpleNamespace(timeout_s=10.0, bucket_mb=1)
+        train=SimpleNamespace(timeout_s=60.0),
+        sync=SimpleNamespace(timeout_s=10.0, broadcast=SimpleNamespace(bucket_mb=1)),
     )
-    ts.walker, ts.rank, ts.senders, ts._late = None, 0, 1, None
+    ts.walker, ts.rank, ts.senders, ts._late = BroadcastTransport(), 0, 1, None
     ts._plan = lambda version, nbytes: SimpleNamespace(version=version)
     ts._announce = lambda plan, deadline: (0.001, 0.002)
     ts._send = lambda plan: (PushStats(version=plan.version, nbytes=2**20, buckets=1), None)

@@ -64,7 +64,7 @@ def test_gpu2_preset_gives_each_role_a_gpu_and_picks_the_nccl_broadcast():
     merged = load_config("gpu2", [f"{k}={v}" for k, v in shares.items()])
     need = check(merged, two)
     assert need["train"]["GPU"] == 1 and need["rollout"]["GPU"] == 1
-    assert auto_transport(merged, two) == "broadcast" and merged.sync.bucket_mb == 256
+    assert auto_transport(merged, two) == "broadcast" and merged.sync.broadcast.bucket_mb == 256
     check_nccl_devices(merged, "broadcast")
 
 

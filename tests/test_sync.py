@@ -256,8 +256,8 @@ def test_hub_ranks_follow_the_senders():
 
 
 def test_the_nccl_stream_priority_travels_with_the_epoch_to_every_member():
-    """`sync.nccl_high_priority` reaches each receiver in the epoch's GroupInfo (as JSON, as a vLLM worker gets
-    it); off unless asked for; a gloo group built from it is unaffected."""
+    """`sync.broadcast.nccl_high_priority` reaches each receiver in the epoch's GroupInfo (as JSON, as a vLLM
+    worker gets it); off unless asked for; a gloo group built from it is unaffected."""
     from app.weights.group import StatelessGroup
 
     async def scenario():

@@ -92,3 +92,29 @@ def test_walk_gathers_every_bucket_on_every_rank_and_raises_a_send_failure_after
     ok = _FailingSender(fail_at=-1)
     stats = walk_buckets(plan, gather, ok, "toy")
     assert ok.sent == [0, 1, 2, 3] and stats.checksums == [checksum(t) for t in state.values()]
+
+
+@pytest.mark.parametrize(
+    ("name", "bucket_mb", "high_priority"),
+    [("broadcast", 64, True), ("pairwise", 64, True), ("ipc", 512, False)],
+)
+def test_each_transport_walks_with_the_bucket_size_of_its_own_section(name, bucket_mb, high_priority):
+    """`sync.broadcast.*` is the broadcast family's (`broadcast`, `pairwise`), `sync.ipc.*` the CUDA-IPC
+    transport's: the trainer plans each push with its transport's bucket size."""
+    from types import SimpleNamespace
+
+    from app.config import load_config
+    from app.sync import TrainerSync
+
+    over = ["sync.broadcast.bucket_mb=64", "sync.ipc.bucket_mb=512", "sync.broadcast.nccl_high_priority=true"]
+    cfg = load_config(None, over)
+    cls = transport_class(name)
+    assert cls.bucket_mb(cfg.sync) == bucket_mb and cls.high_priority(cfg.sync) is high_priority
+    ts = TrainerSync.__new__(TrainerSync)  # the push's planning alone: no group, no hub
+    ts.cfg, ts.walker, ts.rank, ts.senders, ts._late = cfg, cls(), 0, 1, None
+    planned: list[int] = []
+    ts._plan = lambda version, nbytes: planned.append(nbytes) or SimpleNamespace(version=version)
+    ts._announce = lambda plan, deadline: (0.0, 0.0)
+    ts._send = lambda plan: (PushStats(version=plan.version), None)
+    ts.push(1)
+    assert planned == [bucket_mb * 2**20]

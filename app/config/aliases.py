@@ -5,10 +5,11 @@ A `key=value` override under one of these names is taken as the Relay key, with 
 holds names whose meaning differs, which are refused with the Relay way of saying the same. The README's
 migration table lists both ("Coming from TRL or verl"); a unit test keeps it equal to these tables.
 
-`OLD_NAMES` holds Relay's own former names (the flat `model.lora_*` keys, now `model.lora.*`), kept apart from
-the other systems' names: an override under one is taken as the new key, a YAML file's mapping is renamed key
-by key (`rename_old_keys`), each with one warning, and a saved run's config is renamed silently so that the run
-still resumes.
+`OLD_NAMES` holds Relay's own former names (the flat `model.lora_*` keys, now `model.lora.*`; the flat
+`sync.bucket_mb`, `sync.ipc_bucket_mb` and `sync.nccl_high_priority`, now in their transport's section
+`sync.broadcast.*` or `sync.ipc.*`), kept apart from the other systems' names: an override under one is taken
+as the new key, a YAML file's mapping is renamed key by key (`rename_old_keys`), each with one warning, and a
+saved run's config is renamed silently so that the run still resumes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ OLD_NAMES: dict[str, str] = {
     "model.lora_dropout": "model.lora.dropout",
     "model.lora_targets": "model.lora.targets",
     "model.lora_merge": "model.lora.merge",
+    "sync.bucket_mb": "sync.broadcast.bucket_mb",
+    "sync.nccl_high_priority": "sync.broadcast.nccl_high_priority",
+    "sync.ipc_bucket_mb": "sync.ipc.bucket_mb",
 }
 
 # foreign names that mean something else here: refused with what to set instead

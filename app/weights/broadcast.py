@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from app.weights.buckets import (
 from app.weights.group import StatelessGroup
 from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
 from app.weights.transport import Gather, Load, register_transport
+
+if TYPE_CHECKING:
+    from app.config.weights import SyncConfig
 
 Start = Callable[[torch.Tensor], list[Any]]
 
@@ -145,7 +148,15 @@ class BroadcastTransport:
     """Today's transport: a `StatelessGroup` per epoch (gloo or NCCL, `GroupInfo.backend`), one broadcast
     per bucket. Subclasses change how a bucket travels by overriding `start` on both ends."""
 
-    bucket_setting = "bucket_mb"  # the sync config key of this transport's bucket size
+    @staticmethod
+    def bucket_mb(sync: SyncConfig) -> float:
+        """`sync.broadcast.bucket_mb`: the most MiB one broadcast carries."""
+        return float(sync.broadcast.bucket_mb)
+
+    @staticmethod
+    def high_priority(sync: SyncConfig) -> bool:
+        """`sync.broadcast.nccl_high_priority`: the broadcasts on a high-priority stream (NCCL only)."""
+        return bool(sync.broadcast.nccl_high_priority)
 
     def __init__(self) -> None:
         self.group: StatelessGroup | None = None

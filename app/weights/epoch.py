@@ -18,7 +18,7 @@ from app.weights.ack_board import collect, collect_keys, replica_acks, worker_ke
 from app.weights.group import free_port
 from app.weights.hub import check_acks
 from app.weights.records import Acks, GroupInfo, SyncError
-from app.weights.transport import WeightTransport, make_transport
+from app.weights.transport import WeightTransport, make_transport, transport_class
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,7 @@ class TrainerEpoch:
                         self.sync.timeout_s,
                         self.transport_name,
                         self.senders,
-                        bool(getattr(self.sync, "nccl_high_priority", False)),
+                        transport_class(self.transport_name).high_priority(self.sync),
                     ),
                     timeout=self.sync.timeout_s,
                 )

@@ -23,6 +23,7 @@ import os
 import pickle
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from app.weights.buckets import _checksum_sums, _ck_strings, _dtype, load_bucket
 from app.weights.group import StatelessGroup
 from app.weights.records import Bucket, GroupInfo, PushPlan, PushStats, SyncError
 from app.weights.transport import Gather, Load, register_transport
+
+if TYPE_CHECKING:
+    from app.config.weights import SyncConfig
 
 _META_BYTES = 4096  # one pickled IPC description (about 300 bytes) per bucket
 _UUID_BYTES = 16
@@ -93,8 +97,17 @@ def open_handle(meta: bytes, device: torch.device) -> torch.Tensor:
 class IpcTransport(BroadcastTransport):
     """CUDA IPC buckets on one GPU; a gloo group of the epoch carries the handles and the copy-done signals."""
 
-    bucket_setting = "ipc_bucket_mb"  # its own bucket size: the stage is on the GPU, round trips cost
     every_rank_sends = True  # each trainer rank serves the replicas on its own GPU
+
+    @staticmethod
+    def bucket_mb(sync: SyncConfig) -> float:
+        """`sync.ipc.bucket_mb`: its own bucket size (the stage is on the GPU; each bucket costs round trips)."""
+        return float(sync.ipc.bucket_mb)
+
+    @staticmethod
+    def high_priority(sync: SyncConfig) -> bool:
+        """False: its group is gloo, for the control traffic only (the bytes never travel over NCCL)."""
+        return False
 
     def __init__(self) -> None:
         super().__init__()

@@ -87,7 +87,7 @@ class GroupInfo:
     # trainer ranks in the group (ranks 0..senders-1); the receivers' ranks follow. One (rank 0 sends) but
     # where every trainer rank sends to the replicas on its own GPU (the colocated CUDA-IPC layout)
     senders: int = 1
-    # NCCL: the group's broadcasts on a high-priority stream (sync.nccl_high_priority)
+    # NCCL: the group's broadcasts on a high-priority stream (sync.broadcast.nccl_high_priority)
     high_priority: bool = False
 
 

@@ -11,6 +11,9 @@ new transport cannot weaken the protocol (acknowledgement with checksums, deadli
                      receive(plan, load)  receive every bucket in order, hand its tensors to `load`
     both             close()              leave the epoch; a new epoch builds a new transport
 
+A transport reads its own settings from the sync config (`bucket_mb(sync)`, `high_priority(sync)`): the
+broadcast family's `sync.broadcast.*`, the CUDA-IPC transport's `sync.ipc.*`.
+
 Transports are chosen by name (`sync.transport`, carried to the receivers in `GroupInfo.transport`) from
 `TRANSPORTS`. A name `pkg.module:Name` imports `pkg.module` first (in the trainer and in every vLLM worker),
 so a transport defined outside app/ registers itself on import and needs no edit here.
@@ -19,11 +22,14 @@ so a transport defined outside app/ registers itself on import and needs no edit
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from app.weights.records import GroupInfo, PushPlan, PushStats
+
+if TYPE_CHECKING:
+    from app.config.weights import SyncConfig
 
 Gather = Callable[[list[str]], list[torch.Tensor]]
 Load = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -32,6 +38,16 @@ Load = Callable[[list[tuple[str, torch.Tensor]]], None]
 @runtime_checkable
 class WeightTransport(Protocol):
     """One end (trainer or receiver) of one epoch's data plane."""
+
+    @staticmethod
+    def bucket_mb(sync: SyncConfig) -> float:
+        """The bucket size this transport walks with, in MiB, from its own section of `sync`."""
+        ...
+
+    @staticmethod
+    def high_priority(sync: SyncConfig) -> bool:
+        """Whether the epoch's NCCL broadcasts run on a high-priority stream (carried in `GroupInfo`)."""
+        ...
 
     def open(self, info: GroupInfo, device: torch.device | str) -> None:
         """Trainer rank 0: host epoch `info.epoch` as rank 0; raise if a receiver does not connect in time."""
