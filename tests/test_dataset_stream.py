@@ -108,11 +108,15 @@ def test_bad_parquet_row_names_the_row(tmp_path):
         stream_rows(str(path), 1, reverse=True)
 
 
-def test_jsonl_not_utf8_names_the_line(tmp_path):
+def test_jsonl_not_utf8_names_the_row_the_line_and_the_fix_like_load_rows(tmp_path):
     path = tmp_path / "latin.jsonl"
-    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
-    with pytest.raises(DataError, match=r"latin\.jsonl line 2: not UTF-8 text"):
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"latin\.jsonl row 1 \(line 3\): not UTF-8 text") as streamed:
         stream_rows(str(path))
+    with pytest.raises(DataError) as loaded:
+        load_rows(str(path))
+    assert str(streamed.value) == str(loaded.value)
+    assert str(loaded.value).endswith("; save it as UTF-8 JSON lines")
 
 
 def test_jsonl_crlf_and_no_trailing_newline(tmp_path):

@@ -37,6 +37,7 @@ from app.rollout.prompt_files import (
     decode_line,
     duplicate_id,
     empty_prompt,
+    jsonl_lines,
     no_rows,
     normalize_row,
     render_prompt,
@@ -53,31 +54,18 @@ def is_parquet(path: str | Path) -> bool:
 
 
 def jsonl_blocks(path: str, block_rows: int = BLOCK_ROWS) -> Iterator[Any]:
-    """The non-blank lines of a `.jsonl` file as Arrow blocks of (row, line, text), read line by line.
-
-    Rows count non-blank lines from 0 and lines from 1, as `app.rollout.prompt_files.load_rows` does.
-    """
+    """`prompt_files.jsonl_lines` (the non-blank lines of a `.jsonl` file, numbered) as Arrow blocks of (row,
+    line, text); `Normalize` decodes each text with `prompt_files.decode_line`."""
     import pyarrow as pa
 
     cols: dict[str, list] = {"row": [], "line": [], "text": []}
-    row = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path} line {lineno}: not UTF-8 text ({e}); save it as UTF-8 JSON lines"
-                ) from e
-            if not text.strip():
-                continue
-            cols["row"].append(row)
-            cols["line"].append(lineno)
-            cols["text"].append(text)
-            row += 1
-            if len(cols["row"]) >= block_rows:
-                yield pa.table(cols)
-                cols = {k: [] for k in cols}
+    for row, line, text in jsonl_lines(path):
+        cols["row"].append(row)
+        cols["line"].append(line)
+        cols["text"].append(text)
+        if len(cols["row"]) >= block_rows:
+            yield pa.table(cols)
+            cols = {k: [] for k in cols}
     if cols["row"]:
         yield pa.table(cols)
 

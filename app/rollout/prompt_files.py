@@ -228,8 +228,29 @@ def normalize_row(
     )
 
 
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, int, str]]:
+    """A `.jsonl` file's rows as (row, line, text), read line by line: rows count the non-blank lines from 0,
+    lines count every line from 1 (what every error message and default uid names). A line that is not UTF-8
+    raises DataError naming the file, row, line and the fix. `decode_line` decodes a row's text: the loaders
+    here do it at once (`_jsonl_records`), the streamed dataset where it checks the rows (`dataset.Normalize`)."""
+    row = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{_where(Path(path), row, lineno)}: not UTF-8 text ({e}); save it as UTF-8 JSON lines"
+                ) from e
+            if not text.strip():
+                continue
+            yield row, lineno, text
+            row += 1
+
+
 def decode_line(text: str, path: str | Path, row: int, line: int) -> Any:
-    """One non-blank `.jsonl` line as its JSON value; DataError naming the file, row and line if malformed."""
+    """One non-blank `.jsonl` line (a row of `jsonl_lines`) as its JSON value; DataError naming the file, row,
+    line and the fix if malformed."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -279,19 +300,8 @@ def no_rows(path: str | Path) -> DataError:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[int, int | None, Any]]:
-    row = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{path} line {lineno}: not UTF-8 text ({e}); save it as UTF-8 JSON lines"
-                ) from e
-            if not line.strip():
-                continue
-            yield row, lineno, decode_line(line, path, row, lineno)
-            row += 1
+    for row, line, text in jsonl_lines(path):
+        yield row, line, decode_line(text, path, row, line)
 
 
 def _parquet_records(path: Path, columns: Columns | None = None) -> Iterator[tuple[int, int | None, Any]]:
