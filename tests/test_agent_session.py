@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
+from app.agent.openai_chat import ChatCore, ChatSettings, RequestError, render_chat
+from app.agent.session import AgentEpisode, Inconsistent, SessionCall, assemble, resolve_agent
 from app.config import ConfigError, EnvConfig, RewardConfig, RolloutConfig
-from app.envs.agent.openai_chat import ChatCore, ChatSettings, RequestError, render_chat
-from app.envs.agent.session import AgentEpisode, Inconsistent, SessionCall, assemble, resolve_agent
 from app.envs.base import EpisodeMaker
 from app.preflight import load_config
 from app.records import Prompt

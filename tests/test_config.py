@@ -264,7 +264,7 @@ def test_registry_choices_are_checked_against_the_registries():
         for name in registry:
             extra = {
                 "fully_async": ["algorithm.max_staleness=1"],
-                "openai_agent": ["env.agent=app.envs.agent.example:calc_agent"],
+                "openai_agent": ["env.agent=app.agent.example:calc_agent"],
             }
             load_config(None, [f"{key}={name}", *extra.get(name, [])])
         with pytest.raises(ConfigError, match=key) as e:

@@ -130,12 +130,15 @@ def test_the_config_package_imports_no_role() -> None:
     assert not import_graph()["app.errors"], "app/errors.py is below app/config: it imports nothing of app/"
 
 
-def test_config_plugins_and_envs_import_without_torch_ray_or_vllm() -> None:
+def test_config_plugins_envs_and_the_agent_kind_import_without_torch_ray_or_vllm() -> None:
+    """Also the agent's kind (app/agent/kind.py), imported first (app/envs names it as `pkg.module:Name`, so
+    the two packages import each other in no order) and found by its built-in name."""
     import subprocess
     import sys
 
     code = (
-        "import app.config, app.plugins, app.envs; import sys; "
+        "import app.agent.kind, app.config, app.plugins, app.envs; import sys; "
+        "assert app.envs.env_kind('openai_agent') is app.agent.kind.OPENAI_AGENT; "
         "heavy = {'torch', 'ray', 'vllm'} & set(sys.modules); assert not heavy, heavy"
     )
     p = subprocess.run(

@@ -68,8 +68,8 @@ def test_resolve_names_the_form_it_expects():
 
 
 def test_a_kind_of_environment_checks_its_own_keys_at_load_and_needs_no_name_check():
+    from app.agent.kind import OpenAIAgentKind
     from app.envs import EnvKind, env_kind, make_factory
-    from app.envs.agent.kind import OpenAIAgentKind
 
     cfg = load_config(None, [f"env.name={M}:two_turn_calculator", "env.max_turns=2"])
     assert (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from app.agent.openai_chat import ChatSettings
 from app.config import load_config, to_container, typed
-from app.envs.agent.openai_chat import ChatSettings
 
 APP = Path(__file__).resolve().parents[1] / "app"
 

@@ -27,7 +27,7 @@ class EnvConfig(_Section):
     agent: str = ""
     """With env.name=openai_agent: the agent function `pkg.module:function`, `async def agent(base_url, row)`:
     it chats through an OpenAI client at `base_url` (one session per sample) and returns the sample's reward
-    (a number, or a dict with `score`); the session becomes the trajectory (app/envs/agent/session.py)."""
+    (a number, or a dict with `score`); the session becomes the trajectory (app/agent/session.py)."""
     agent_timeout_s: float = 120.0
     """Deadline of one agent session; an agent that raises or misses it scores reward.on_error."""
     http_port: int = 0

@@ -12,7 +12,7 @@ of the run (keys of its own checked at load, a service deployed beside the rollo
 config and the driver call the hooks of every kind and check no name. A factory that runs whole episodes
 itself (agent sessions) is an `EpisodeMaker`.
 
-An episode runner (app/rollout/episode.py, app/envs/agent/session.py) sees the generator as `Turns`: one
+An episode runner (app/rollout/episode.py, app/agent/session.py) sees the generator as `Turns`: one
 model turn at a time, the tokenizer, the run's counters and the checkpoint's freeze. `GroupGenerator`
 (app/rollout/generator.py) implements it.
 
@@ -96,7 +96,7 @@ class EpisodeRunner(Protocol):
 
 
 class EpisodeMaker(ABC):
-    """A factory that runs whole episodes itself (app/envs/agent: agent sessions) instead of giving per-turn
+    """A factory that runs whole episodes itself (app/agent: agent sessions) instead of giving per-turn
     environments: `GroupGenerator` runs each sample through `make_episode(turns, env, on_error).run(prompt,
     req, partial)`, which returns the sample and its reward."""
 

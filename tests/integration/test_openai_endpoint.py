@@ -10,7 +10,7 @@ import itertools
 
 import openai
 
-from app.envs.agent.openai_api import ROUTE_PREFIX
+from app.agent.openai_api import ROUTE_PREFIX
 from app.rollout.episode import mask_runs
 
 SECOND = "max:1290="  # the agent's follow-up question (the tiny arithmetic model's alphabet)
@@ -34,7 +34,7 @@ def test_openai_client_sessions_become_trajectories(rollout_stack):
     from ray import serve
     from transformers import AutoTokenizer
 
-    from app.envs.agent.openai_api import build_frontend
+    from app.agent.openai_api import build_frontend
     from app.names import FRONTEND_DEPLOYMENT, frontend_app_name
     from app.rollout.prompt_files import render_prompt
 
@@ -55,7 +55,7 @@ def test_openai_client_sessions_become_trajectories(rollout_stack):
 
 
 def _client_session(port: int, handle, prompt: str, prompt_ids: list[int], tok) -> None:
-    from app.envs.agent.session import assemble
+    from app.agent.session import assemble
 
     settings = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "seed": 3, "max_calls": 4}
     handle.open_session.remote("t1", settings).result(timeout_s=60)

@@ -41,9 +41,9 @@ def smol_stack(ray_cluster, cache_dir):
     import ray
     from ray import serve
 
+    from app.agent.openai_api import start_http
     from app.config import load_config, to_container
     from app.driver import resolve_inputs, teardown
-    from app.envs.agent.openai_api import start_http
     from app.names import NAMESPACE, app_name, rollouter_name
     from app.rollout.rollouter import Rollouter
     from app.serve_rollout import build_app

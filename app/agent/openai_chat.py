@@ -1,6 +1,6 @@
 """The OpenAI chat-completions protocol over Relay's token-in/token-out generation, and session records.
 
-`ChatCore` is what the HTTP frontend (app/envs/agent/openai_api.py) runs for `POST .../v1/chat/completions`, without
+`ChatCore` is what the HTTP frontend (app/agent/openai_api.py) runs for `POST .../v1/chat/completions`, without
 HTTP or Ray: it turns chat messages into prompt token ids, generates through a `GenerateFn` (the rollout
 deployment's `generate`: load-balanced over the vLLM replicas, each token with its behaviour log-prob and
 policy version), and answers in the OpenAI response shape. Relay's own fields ride along in `relay`
@@ -13,7 +13,7 @@ message followed by the EOS token, consecutive non-assistant messages joined wit
 prompt renders as app/rollout/prompt_files.py renders it, and a conversation as Relay's own multi-turn episodes are laid
 out: prompt, model turn + EOS, observation, model turn...).
 
-Sessions (opened by Relay's runner, app/envs/agent/session.py): every call of a session is recorded
+Sessions (opened by Relay's runner, app/agent/session.py): every call of a session is recorded
 (`SessionCall`), and a call whose rendered conversation extends the previous call's prompt + reply (as text)
 reuses that context's token ids and tokenizes only what was added, so a conversation that grows by appending
 stays token-for-token consistent (re-tokenizing a model's reply can give other tokens than it sampled).
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.envs.agent.session import SessionCall
+from app.agent.session import SessionCall
 from app.records import GenerateRequest, Sample
 from app.rollout import admission
 

@@ -6,12 +6,12 @@
     GET  {ROUTE_PREFIX}/v1/models
 
 So an unmodified OpenAI client with `base_url=http://127.0.0.1:<port>/relay/s/<session>/v1` drives a
-session. The protocol, the chat rendering and the session records are app/envs/agent/openai_chat.py's `ChatCore`;
+session. The protocol, the chat rendering and the session records are app/agent/openai_chat.py's `ChatCore`;
 this module is its HTTP face: one FastAPI ingress deployment (`OpenAIFrontend`, no GPU) that generates
 through a handle to the rollout deployment's `generate` (app/rollout/serve_generate.py: load-balanced over
 the vLLM replicas, retried on a live one when a replica died), so a chat call carries behaviour log-probs
 and per-token policy versions exactly as Relay's own rollouts do. Relay's runner
-(app/envs/agent/session.py) opens and takes sessions through the deployment's handle.
+(app/agent/session.py) opens and takes sessions through the deployment's handle.
 
 The frontend is one replica: sessions live in its memory (the runner takes each at the end; idle ones
 expire). It is its own Serve application (`<ray.name>-openai`, route prefix `/relay`), so the rollout
@@ -29,9 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from app.envs.agent.openai_chat import ChatCore, ChatSettings, RequestError
-from app.envs.agent.openai_routes import ROUTE_PREFIX
-from app.envs.agent.session import SessionCall
+from app.agent.openai_chat import ChatCore, ChatSettings, RequestError
+from app.agent.openai_routes import ROUTE_PREFIX
+from app.agent.session import SessionCall
 from app.names import FRONTEND_DEPLOYMENT, frontend_app_name
 
 log = logging.getLogger(__name__)

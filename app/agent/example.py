@@ -8,7 +8,7 @@ session and trains on it as it trains the built-in calculator environment's epis
 template is Relay's episode layout), which makes this a check of the endpoint end to end.
 
 The agent appends the model's replies exactly as the endpoint returned them: a session must stay
-prefix-consistent (app/envs/agent/session.py).
+prefix-consistent (app/agent/session.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Agent sessions: agent code written against an OpenAI client drives a sample's rollout (`env.name=openai_agent`).
 
 For each sample the runner (`AgentEpisode`) opens a session on the OpenAI-compatible frontend
-(app/envs/agent/openai_api.py), calls the user's agent function (`env.agent`, `async def agent(base_url, row)`) with
+(app/agent/openai_api.py), calls the user's agent function (`env.agent`, `async def agent(base_url, row)`) with
 the session's base URL, and waits for its reward, within `env.agent_timeout_s` (a number, or a dict with a
 `score`, numeric sub-scores and `tool_calls`: `agent_reward`). The frontend records
 every chat call of the session (`SessionCall`: prompt token ids, completion token ids with their behaviour
@@ -130,7 +130,7 @@ class AgentError(Exception):
 
 
 class AgentEpisodes(EpisodeMaker):
-    """The factory `env.name=openai_agent` builds (app/envs/agent/kind.py): not of per-turn environments but
+    """The factory `env.name=openai_agent` builds (app/agent/kind.py): not of per-turn environments but
     a maker of whole episodes (`EpisodeMaker`), which `GroupGenerator` asks for through `make_episode`."""
 
     def __init__(self, cfg: Any) -> None:
@@ -143,7 +143,7 @@ class AgentEpisodes(EpisodeMaker):
     def make_episode(self, turns: Turns, env: EnvConfig, on_error: float) -> AgentEpisode:
         from ray import serve
 
-        from app.envs.agent.openai_routes import ROUTE_PREFIX
+        from app.agent.openai_routes import ROUTE_PREFIX
         from app.infra import ray_compat
         from app.names import FRONTEND_DEPLOYMENT, frontend_app_name
 
