@@ -270,6 +270,37 @@ def test_a_late_cleaner_stop_is_debug_and_other_failures_keep_their_level(fresh)
     assert elsewhere.levelno == logging.ERROR
 
 
+def test_a_late_resource_request_is_one_line_once_and_other_failures_keep_their_record(fresh):
+    """The record as Ray Train 2.60 logs it (autoscaling_coordinator_client.send_resource_request)."""
+    from ray.exceptions import GetTimeoutError
+
+    log_filters.quiet_train_controller()
+    log_filters.quiet_train_controller()  # idempotent
+    logger = logging.getLogger(log_filters.RESOURCE_REQUEST_LOGGER)
+    assert sum(isinstance(f, log_filters.ResourceRequestFilter) for f in logger.filters) == 1
+    msg = (
+        "Failed to send resource request for train-1. If this only happens transiently during network partition"
+        " or CPU being overloaded, it's safe to ignore this error. If this error persists, file a GitHub issue."
+    )
+    shown: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = shown.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        for exc in (GetTimeoutError("Get timed out"), GetTimeoutError("Get timed out"), RuntimeError("boom")):
+            try:
+                raise exc
+            except BaseException:
+                logger.warning(msg, exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    first, other = shown  # the second timeout went to DEBUG, below the console's INFO
+    assert first.levelno == logging.WARNING and first.exc_info is None
+    assert first.getMessage().startswith("Failed to send resource request for train-1. (late replies")
+    assert "\n" not in first.getMessage()
+    assert other.exc_info is not None and isinstance(other.exc_info[1], RuntimeError)
+
+
 def test_ray_train_builds_the_controller_callback_from_the_variable(fresh, monkeypatch):
     """Ray Train reads RAY_TRAIN_CALLBACKS (its name pinned here) where the trainer is built; the callback it
     makes installs the filter where the controller starts."""

@@ -112,6 +112,7 @@ TRAIN_CALLBACKS_ENV = (
 )
 TRAIN_CALLBACK = "app.infra.train_log_callback.ControllerLogFilters"
 PG_CLEANER_LOGGER = "ray.train.v2._internal.callbacks.placement_group_callback"
+RESOURCE_REQUEST_LOGGER = "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
 
 _quiet = {"noise": False, "chatter": False}  # which of RAY_NOISE, RAY_CHATTER Ray's filter holds
 _skip = {"theirs": "", "written": ""}  # the user's RAY_SKIP_ENV, and the value this module last wrote
@@ -196,6 +197,33 @@ class CleanerStopFilter(logging.Filter):
         return True
 
 
+class ResourceRequestFilter(logging.Filter):
+    """Ray Train's controller registers its workers' resources with Ray's autoscaling coordinator every few
+    seconds, under a short `ray.get` deadline; on a loaded machine a reply comes late and Ray Train logs "Failed
+    to send resource request ... safe to ignore" with the GetTimeoutError's 17-line traceback each time. The run
+    is unaffected (the coordinator serves autoscaling only; the next request is sent again). The first such
+    record is kept as one line, later ones go to DEBUG; any other failure keeps its record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if type(exc).__name__ != "GetTimeoutError" or not record.getMessage().startswith(
+            "Failed to send resource request"
+        ):
+            return True
+        self.seen += 1
+        first = record.getMessage().split(" If this", 1)[0]
+        record.exc_info, record.exc_text = None, None
+        record.msg = "%s (late replies from the autoscaling coordinator on a loaded machine; harmless)"
+        record.args = (first,)
+        if self.seen > 1:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
 SERVE_LOGGER = "ray.serve"
 
 
@@ -237,10 +265,15 @@ def quiet_dead_engine_requests() -> None:
 
 
 def quiet_train_controller() -> None:
-    """Install CleanerStopFilter on Ray Train's cleaner logger (in the controller process; idempotent)."""
-    logger = logging.getLogger(PG_CLEANER_LOGGER)
-    if not any(isinstance(f, CleanerStopFilter) for f in logger.filters):
-        logger.addFilter(CleanerStopFilter())
+    """Install CleanerStopFilter and ResourceRequestFilter on Ray Train's loggers (in the controller process;
+    idempotent)."""
+    for name, kind in (
+        (PG_CLEANER_LOGGER, CleanerStopFilter),
+        (RESOURCE_REQUEST_LOGGER, ResourceRequestFilter),
+    ):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, kind) for f in logger.filters):
+            logger.addFilter(kind())
 
 
 def ray_noise_regex() -> str:

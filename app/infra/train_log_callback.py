@@ -4,7 +4,8 @@ Relay code otherwise.
 app/infra/log_filters.py `quiet_ray_noise()` names `ControllerLogFilters` in RAY_TRAIN_CALLBACKS; Ray Train
 reads that variable in the driver when the trainer is built (`_initialize_env_callbacks`, Ray 2.60) and the
 callback travels to the controller with the run. There, before the control loop starts, it installs
-`CleanerStopFilter` (log_filters.py: why a late stop of the placement-group cleaner is harmless).
+`CleanerStopFilter` and `ResourceRequestFilter` (log_filters.py: why a late stop of the placement-group cleaner
+and a late reply to a resource request are harmless).
 `ControllerCallback` is Ray Train's developer API.
 """
 
