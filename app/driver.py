@@ -81,7 +81,8 @@ def resolve_inputs(cfg: DictConfig) -> Inputs:
         model_path = str(builtin_tasks.model_folder(model_path, cfg.model.cache_dir, cfg.seed))
     else:
         model_path = resolve_model_path(model_path)  # a folder (`~` expanded) or a hub id
-    check_model_type(model_path, cfg.model.path)  # an architecture transformers cannot load: refused here
+    # an architecture transformers cannot load: refused here (a config that passed before: at once)
+    check_model_type(model_path, cfg.model.path, builtin_tasks.cache_root(cfg.model.cache_dir) / "checked")
     check_context(cfg, model_path)
     if cfg.model.lora.rank > 0:  # an unknown target fails here, naming the model's linear layers
         from app.trainer.lora import check_model_targets, parse_targets

@@ -57,3 +57,31 @@ def test_unusable_config_json(tmp_path, config, words):
 def test_missing_config_json(tmp_path):
     with pytest.raises(ModelTypeError, match="not a readable JSON file"):
         check_model_type(str(tmp_path / "absent"))
+
+
+def test_a_pass_is_remembered_per_config_and_release(tmp_path, monkeypatch):
+    import transformers
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    _folder(folder, {"model_type": "qwen2"})
+    marks = tmp_path / "marks"
+    check_model_type(str(folder), remember=marks)
+    assert len(list(marks.iterdir())) == 1
+
+    def refuse(*a, **k):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+    check_model_type(str(folder), remember=marks)  # the same config.json and release: passes at once
+    _folder(folder, {"model_type": "qwen2", "hidden_size": 64})  # another config.json: checked again
+    with pytest.raises(ModelTypeError, match="checked again"):  # the refusal, as the check reports it
+        check_model_type(str(folder), remember=marks)
+
+
+def test_a_failure_is_not_remembered(tmp_path):
+    folder = _folder(tmp_path, {"model_type": "not-a-model"})
+    for _ in range(2):
+        with pytest.raises(ModelTypeError):
+            check_model_type(folder, remember=tmp_path / "marks")
+    assert not (tmp_path / "marks").exists()
