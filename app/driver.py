@@ -193,11 +193,11 @@ def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
 
     inputs, resume, t0 = prepared.inputs, prepared.resume, prepared.t0
     rewards = name_rewards(cfg, inputs.train + inputs.val, inputs.columns)  # reward.fn=auto's picks, logged
-    rec = open_run(cfg, resume)  # a resume continues its run folder and MLflow run: app/run_folder.py
+    # a resume continues its run folder and MLflow run (app/run_folder.py)
+    rec, started = open_run_beside_ray(cfg, lambda: open_run(cfg, resume))
     (rec.dir / resume_check.IDENTITY).write_text(json.dumps(prepared.identity))  # each checkpoint keeps one
     if rewards:
         rec.tracker.tags({"relay.rewards": json.dumps(rewards)})
-    started = start_ray(cfg)
     status = "FAILED"
     try:
         # the actor handles live as long as this frame: a named actor whose last handle is dropped is killed
@@ -211,6 +211,30 @@ def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
     finally:
         rec.close(status)
         teardown(cfg, started)
+
+
+def open_run_beside_ray(cfg: DictConfig, open_folder: Callable[[], RunFolder]) -> tuple[RunFolder, bool]:
+    """The run folder (`open_folder()`, in a thread) and `start_ray(cfg)` (in this thread) at once: Ray's start
+    mostly waits for its daemons, while MLflow's import and store take the CPU. Where either fails, what the
+    other opened is closed (the folder FAILED, a cluster this call started stopped) and the error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    with ThreadPoolExecutor(1, thread_name_prefix="relay-open-run") as pool:
+        opening = pool.submit(open_folder)
+        try:
+            started = start_ray(cfg)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                opening.result().close("FAILED")
+            raise
+        try:
+            return opening.result(), started
+        except BaseException:
+            if started:
+                ray.shutdown()
+            raise
 
 
 def _plan_resources(cfg: DictConfig) -> DictConfig:

@@ -1,0 +1,64 @@
+"""app/driver.py's start: the run folder opens while Ray starts, and what one opened is closed where the other
+fails (no Ray started)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+
+from app import driver
+from app.preflight import load_config
+
+
+class _Folder:
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+
+    def close(self, status: str) -> None:
+        self.closed.append(status)
+
+
+def test_the_folder_opens_in_another_thread_while_ray_starts(monkeypatch):
+    seen: dict[str, object] = {}
+    folder = _Folder()
+
+    def open_folder():
+        seen["folder_thread"] = threading.current_thread().name
+        return folder
+
+    def start_ray(cfg):
+        seen["ray_thread"] = threading.current_thread().name
+        return True
+
+    monkeypatch.setattr(driver, "start_ray", start_ray)
+    rec, started = driver.open_run_beside_ray(load_config(None, []), open_folder)
+    assert rec is folder and started is True and not folder.closed
+    assert seen["ray_thread"] == threading.main_thread().name != seen["folder_thread"]
+
+
+def test_a_failed_ray_start_closes_the_folder(monkeypatch):
+    folder = _Folder()
+
+    def start_ray(cfg):
+        raise ConnectionError("no cluster")
+
+    monkeypatch.setattr(driver, "start_ray", start_ray)
+    with pytest.raises(ConnectionError, match="no cluster"):
+        driver.open_run_beside_ray(load_config(None, []), lambda: folder)
+    assert folder.closed == ["FAILED"]
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_a_failed_folder_stops_only_a_cluster_this_run_started(monkeypatch, started):
+    stopped: list[bool] = []
+    monkeypatch.setattr(driver, "start_ray", lambda cfg: started)
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(True))
+
+    def open_folder():
+        raise FileExistsError("a live run holds it")
+
+    with pytest.raises(FileExistsError, match="a live run"):
+        driver.open_run_beside_ray(load_config(None, []), open_folder)
+    assert stopped == ([True] if started else [])
