@@ -202,7 +202,7 @@ def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
     try:
         # the actor handles live as long as this frame: a named actor whose last handle is dropped is killed
         watch = RolloutStartWatch(app_name(cfg.ray.name))
-        cfg, hub, control, _rollouter = start_roles(cfg, inputs, watch)
+        cfg, hub, control, _rollouter = start_roles(cfg, inputs, watch, own_cluster=started)
         trainer = _build_trainer(cfg, inputs, rec, resume)
         result = _fit(trainer, hub, control, rec, t0, watch)
         out = _collect(result, rec, t0)
@@ -263,7 +263,7 @@ def _plan_resources(cfg: DictConfig) -> DictConfig:
 
 
 def start_roles(
-    cfg: DictConfig, inputs: Inputs, watch: RolloutStartWatch
+    cfg: DictConfig, inputs: Inputs, watch: RolloutStartWatch, own_cluster: bool = False
 ) -> tuple[DictConfig, Any, Any, Any]:
     """The weight hub, the run control, the rollout deployment and the rollouter (both starting): the config
     with the resources resolved, and the hub's, the control's and the rollouter's handles.
@@ -272,7 +272,8 @@ def start_roles(
     waits for the first replica (app/sync.py), its first batch for the rollouter (a call waits for the
     actor's start), and `watch` ends the run at once where the deployment or the rollouter fails to start
     (a bad data row: the DataError naming its file and row). GPU replicas start before the trainer (vLLM
-    measures the free memory)."""
+    measures the free memory). On a cluster this run started (`own_cluster`), Serve runs without its HTTP
+    proxy unless the env kind started it with one: the roles call the replicas through handles."""
     import ray
 
     from app.infra import ray_compat
@@ -285,6 +286,8 @@ def start_roles(
     hub, control = start_sync_actors(cfg.ray.name)  # the weight hub and the run control
     kind = env_kind(cfg.env.name)  # its services: the OpenAI endpoint that agent code drives rollouts through
     cfg = kind.before_serve(cfg)
+    if own_cluster:
+        ray_compat.start_serve_without_proxy()
     ray_compat.deploy_app(
         build_app(cfg, inputs.model_path),
         app_name(cfg.ray.name),

@@ -14,6 +14,8 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
     delete_app                ray.serve.delete(_blocking=...) (private argument): delete an application,
                               waiting for its replicas' graceful shutdown or not; through
                               ray.serve.context._get_global_client (private): nothing where Serve never ran
+    start_serve_without_proxy ray.serve.context._get_global_client (private): Serve started without
+                              HTTP proxies only where it does not run yet
     serve_http_port           ray.serve.context._get_global_client().http_config (private): the port
                               Serve's HTTP proxies listen on (fixed when Serve started on the cluster)
 
@@ -86,6 +88,18 @@ def deploy_app(
         target=app, name=name, route_prefix=route_prefix, external_scaler_enabled=external_scaler_enabled
     )
     while_serve_starts(lambda: serve.run_many([target], wait_for_applications_running=False))
+
+
+def start_serve_without_proxy() -> bool:
+    """Start Serve without HTTP proxies (`ProxyLocation.Disabled`: callers use deployment handles) unless it
+    runs already (then nothing changes); True where this call started it."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    if _get_global_client(raise_if_no_controller_running=False) is not None:
+        return False
+    while_serve_starts(lambda: serve.start(proxy_location="Disabled"))
+    return True
 
 
 def while_serve_starts(call: Callable[[], T], timeout_s: float = 60.0) -> T:
