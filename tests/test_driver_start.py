@@ -1,5 +1,5 @@
 """app/driver.py's start: the run folder opens while Ray starts, and what one opened is closed where the other
-fails (no Ray started)."""
+fails; a local cluster's runtime environment turns Ray Train's preemption watcher off (no Ray started)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,21 @@ def test_a_failed_folder_stops_only_a_cluster_this_run_started(monkeypatch, star
     with pytest.raises(FileExistsError, match="a live run"):
         driver.open_run_beside_ray(load_config(None, []), open_folder)
     assert stopped == ([True] if started else [])
+
+
+def test_a_local_cluster_runs_without_the_preemption_watcher(monkeypatch):
+    calls: list[dict] = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert driver.start_ray(load_config(None, [])) is True
+    assert calls[0]["address"] == "local"
+    assert calls[0]["runtime_env"]["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
+
+
+def test_a_given_cluster_keeps_its_preemption_watcher(monkeypatch):
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert driver.start_ray(load_config(None, ["ray.address=ray://elsewhere:10001"])) is False
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in calls[0]["runtime_env"]["env_vars"]
