@@ -26,6 +26,7 @@ from app import preflight
 from app import tasks as builtin_tasks
 from app.config import ConfigError, data_files, to_container
 from app.envs import env_kind
+from app.infra import ray_compat
 from app.model_check import check_model_type
 from app.model_path import resolve_model_path
 from app.rollout.prompt_files import Columns, PromptRow, check_file, load_rows, uid_prefix
@@ -121,8 +122,6 @@ def start_ray(cfg: DictConfig) -> bool:
     """Connect to (or start) Ray; returns True if this call started a local cluster."""
     import ray
 
-    from app.infra import ray_compat
-
     if ray.is_initialized():
         return False
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "RELAY_LOG_LEVEL": cfg.log_level}
@@ -207,6 +206,8 @@ def launch(cfg: DictConfig, prepared: Prepared) -> dict[str, Any]:
         watch = RolloutStartWatch(app_name(cfg.ray.name))
         cfg, hub, control, _rollouter = start_roles(cfg, inputs, watch, own_cluster=started)
         trainer = _build_trainer(cfg, inputs, rec, resume)
+        if started:  # the run's own cluster: nothing outlives it for the placement-group cleaner to remove
+            trainer = ray_compat.without_pg_cleaner(trainer)
         result = _fit(trainer, hub, control, rec, t0, watch)
         out = _collect(result, rec, t0)
         status = "FINISHED"

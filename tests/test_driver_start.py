@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from app import driver
+from app.infra import ray_compat
 from app.preflight import load_config
 
 
@@ -80,3 +81,21 @@ def test_a_given_cluster_keeps_its_preemption_watcher(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     assert driver.start_ray(load_config(None, ["ray.address=ray://elsewhere:10001"])) is False
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in calls[0]["runtime_env"]["env_vars"]
+
+
+def test_a_trainer_on_the_runs_own_cluster_has_no_placement_group_cleaner():
+    """Ray Train 2.60 builds its cleaner among the default callbacks when `fit` starts; the wrapped trainer
+    builds every other one."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    def kinds(trainer) -> list[type]:
+        return [type(c) for c in trainer._create_default_callbacks()]
+
+    plain = kinds(TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)))
+    assert PlacementGroupCleanerCallback in plain
+    own = ray_compat.without_pg_cleaner(
+        TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+    )
+    assert kinds(own) == [k for k in plain if k is not PlacementGroupCleanerCallback]

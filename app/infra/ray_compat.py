@@ -18,6 +18,8 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
                               HTTP proxies only where it does not run yet
     serve_http_port           ray.serve.context._get_global_client().http_config (private): the port
                               Serve's HTTP proxies listen on (fixed when Serve started on the cluster)
+    without_pg_cleaner        DataParallelTrainer._create_default_callbacks (private) and Ray Train's
+                              PlacementGroupCleanerCallback (internal): a trainer without the cleaner
 
 Nothing else in app/ may import `ray._private`, `ray.experimental`, `ray.llm._internal`, `ray.serve._private`
 or any other `_internal`/`_private` Ray module. Ray is imported inside each function: importing this module
@@ -200,3 +202,21 @@ def forget_stale_cluster_address(record: str | None = None, connect_timeout_s: f
         with contextlib.suppress(FileNotFoundError):
             os.remove(record)
         return address
+
+
+def without_pg_cleaner(trainer: Any) -> Any:
+    """`trainer` (a Ray Train v2 TorchTrainer) without Ray Train's placement-group cleaner, for a cluster the
+    run starts and stops itself. The cleaner is a detached actor that removes the workers' placement group
+    once it finds the Train controller dead, asking Ray's state API every few seconds; on a loaded machine an
+    answer that lacks the controller reads as dead, and the cleaner removed the group of a live run right after
+    its last step (the run failed with "Destroying worker since its placement group was removed"). A cluster
+    the run owns goes down with the run, its placement groups with it: nothing is left for the cleaner."""
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    make = trainer._create_default_callbacks
+
+    def callbacks() -> list[Any]:
+        return [c for c in make() if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    trainer._create_default_callbacks = callbacks
+    return trainer
