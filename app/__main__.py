@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from app.config import REFERENCE_PATH, ConfigError, reference_markdown
@@ -105,27 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "eval":
         return _evaluate(args)
-    try:
-        quiet_ray_noise()  # before Ray is imported: a clean run's shutdown lines are not printed as failures
-        overrides = list(args.overrides)
-        if args.resume_with_new_data and not args.resume:
-            raise ConfigError(
-                "--resume-with-new-data applies to a resume: give --resume PATH too, or drop it"
-            )
-        if args.resume:
-            overrides.append(f"train.resume={args.resume}")
-        cfg = load_config(args.config, overrides)
-    except (ConfigError, ValueError) as e:
-        log.error("config error: %s", e)
-        _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
-        return 2
-    configure_logging(cfg.log_level)
-    if args.print_config:
-        from omegaconf import OmegaConf
-
-        sys.stdout.write(OmegaConf.to_yaml(cfg))
-        return 0
-    _quiet_progress_bars()
+    cfg = _loaded(args, lambda: load_config(args.config, _train_overrides(args)))
+    if isinstance(cfg, int):
+        return cfg
     from app.driver import launch, prepare
 
     try:
@@ -138,6 +121,33 @@ def main(argv: list[str] | None = None) -> int:
         return _failed(e, 1)
     _emit_result({"ok": True, **result})
     return 0
+
+
+def _train_overrides(args: argparse.Namespace) -> list[str]:
+    """The command line's overrides, with `--resume PATH` as `train.resume=PATH`."""
+    if args.resume_with_new_data and not args.resume:
+        raise ConfigError("--resume-with-new-data applies to a resume: give --resume PATH too, or drop it")
+    return [*args.overrides, *([f"train.resume={args.resume}"] if args.resume else [])]
+
+
+def _loaded(args: argparse.Namespace, load: Callable[[], Any]) -> Any:
+    """`load()`'s config, with the run's log level and quiet bars; or the exit code: 2 after one "config error:"
+    line (and its RESULT line), 0 after `--print-config` wrote the config."""
+    try:
+        quiet_ray_noise()  # before Ray is imported: a clean run's shutdown lines are not printed as failures
+        cfg = load()
+    except (ConfigError, ValueError) as e:
+        log.error("config error: %s", e)
+        _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
+        return 2
+    configure_logging(cfg.log_level)
+    if args.print_config:
+        from omegaconf import OmegaConf
+
+        sys.stdout.write(OmegaConf.to_yaml(cfg))
+        return 0
+    _quiet_progress_bars()
+    return cfg
 
 
 def _failed(e: Exception, code: int) -> int:
@@ -166,20 +176,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     overrides += [f"eval.checkpoint={args.checkpoint}"] if args.checkpoint else []
     overrides += [f"eval.data={args.data}"] if args.data else []
-    try:
-        quiet_ray_noise()
-        cfg = command.load(args.config, overrides)
-    except (ConfigError, ValueError) as e:
-        log.error("config error: %s", e)
-        _emit_result({"ok": False, "error": f"config error: {e}"[:2000]})
-        return 2
-    configure_logging(cfg.log_level)
-    if args.print_config:
-        from omegaconf import OmegaConf
-
-        sys.stdout.write(OmegaConf.to_yaml(cfg))
-        return 0
-    _quiet_progress_bars()
+    cfg = _loaded(args, lambda: command.load(args.config, overrides))
+    if isinstance(cfg, int):
+        return cfg
     try:
         result = command.run(cfg)
     except (
