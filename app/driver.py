@@ -122,6 +122,8 @@ def start_ray(cfg: DictConfig) -> bool:
     """Connect to (or start) Ray; returns True if this call started a local cluster."""
     import ray
 
+    from app.infra import import_path
+
     if ray.is_initialized():
         return False
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "RELAY_LOG_LEVEL": cfg.log_level}
@@ -133,8 +135,10 @@ def start_ray(cfg: DictConfig) -> bool:
     ):  # no bars in logs (app/__main__.py), also on a remote cluster's workers
         env["TQDM_DISABLE"] = os.environ["TQDM_DISABLE"]
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+    # a user's own `app` in the working directory never shadows Relay's in a worker: app/infra/import_path.py
+    job = ray_compat.job_config(import_path.worker_paths)
     if address:
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True, job_config=job)
         return False
     # address="local": a new cluster even where /tmp/ray/ray_current_cluster names a stale one; a stale
     # record is dropped first, since Ray's address-less state queries (Ray Train's) would follow it
@@ -143,7 +147,13 @@ def start_ray(cfg: DictConfig) -> bool:
     # one node that this run owns: no node is ever drained, so Ray Train's preemption watcher (an actor that
     # polls for draining nodes) has nothing to watch; one process fewer to start beside the roles
     env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
-    ray.init(address="local", num_cpus=cfg.ray.num_cpus, runtime_env={"env_vars": env}, log_to_driver=True)
+    ray.init(
+        address="local",
+        num_cpus=cfg.ray.num_cpus,
+        runtime_env={"env_vars": env},
+        log_to_driver=True,
+        job_config=job,
+    )
     return True
 
 

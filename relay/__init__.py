@@ -38,17 +38,39 @@ Rows = Any  # a list of dicts, a pandas DataFrame, or a datasets.Dataset
 RewardArg = str | Callable[..., Any]
 
 
-def _shadow_check() -> None:
-    """Relay's code is the package `app`; a folder `app/` of the user's own, first on sys.path, would be
-    imported in its place."""
+def _import_app() -> None:
+    """Import Relay's code, the package `app` beside this one, as `app`. A folder `app` of the user's own
+    first on sys.path (the working directory of `python -c` or `python -m`, a script's folder) would be
+    imported in its place, here and in every process spawned with this path: Relay's root is put ahead of
+    it (the Ray workers: app/infra/import_path.py). An `app` already imported cannot be replaced."""
+    import importlib.machinery
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    if "app" not in sys.modules:
+        spec = importlib.machinery.PathFinder.find_spec("app")
+        if spec is not None and (spec.origin is None or Path(spec.origin).resolve().parent != root / "app"):
+            sys.path.insert(0, str(root))
     import app
 
-    ours = Path(__file__).resolve().parent.parent / "app"
-    if Path(app.__file__).resolve().parent != ours:
+    if Path(app.__file__).resolve().parent != root / "app":
         raise ImportError(
-            f"the package 'app' imported from {Path(app.__file__).parent} is not Relay's ({ours}): a folder "
-            "named 'app' in the working directory shadows it; run from another folder"
+            f"the package 'app' imported from {Path(app.__file__).parent} is not Relay's ({root / 'app'}): "
+            "import relay and call relay.train before importing a package 'app' of your own, or run from a "
+            "folder without one"
         )
+
+
+def _check_joined_ray() -> None:
+    """Where this process already joined Ray (its own `ray.init`), the job's workers take the paths Ray gave
+    them then: refused in one line if a user's `app` comes first on them (app/infra/import_path.py)."""
+    import sys
+
+    if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
+        return
+    from app.infra import import_path, ray_compat
+
+    import_path.check_worker_paths(ray_compat.job_driver_paths())
 
 
 def _rows(data: Rows, name: str) -> list[dict[str, Any]]:
@@ -149,7 +171,8 @@ def train(
     resume: str | None = None,
 ) -> dict[str, Any]:
     """Run one training job as `relay train --config CONFIG key=value ...` would; the RESULT record."""
-    _shadow_check()
+    _import_app()
+    _check_joined_ray()
     from app.config import load_config  # the roles' checks run once, in `run` (app.driver.prepare)
     from app.infra.log_filters import configure_logging, quiet_ray_noise
 

@@ -1,6 +1,7 @@
 """What every role stands on, none of it RL: the cluster, storage, tracking, logging and watchdogs.
 
 ray_compat.py   every private, experimental or unstable Ray API Relay uses, in one place
+import_path.py  Relay's `app` first on every worker's import path: a user's `app` never shadows it
 resources.py    what each role asks of the cluster, checked before anything starts
 storage.py      where a run keeps its results (`run_dir`)
 tracking.py     MLflow tracking that never holds training

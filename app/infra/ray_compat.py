@@ -20,6 +20,10 @@ A Ray upgrade that moves one of these is fixed here alone. Each function names w
                               Serve's HTTP proxies listen on (fixed when Serve started on the cluster)
     without_pg_cleaner        DataParallelTrainer._create_default_callbacks (private) and Ray Train's
                               PlacementGroupCleanerCallback (internal): a trainer without the cleaner
+    job_config                ray.job_config.JobConfig._py_driver_sys_path and _get_proto_job_config
+                              (private): the folders every worker of the job puts first on its sys.path
+    job_driver_paths          ray._private.worker.global_worker (private): those folders of the job this
+                              driver joined
 
 Nothing else in app/ may import `ray._private`, `ray.experimental`, `ray.llm._internal`, `ray.serve._private`
 or any other `_internal`/`_private` Ray module. Ray is imported inside each function: importing this module
@@ -220,3 +224,26 @@ def without_pg_cleaner(trainer: Any) -> Any:
 
     trainer._create_default_callbacks = callbacks
     return trainer
+
+
+def job_config(order: Callable[[list[str]], list[str]]) -> Any:
+    """A `ray.job_config.JobConfig` for `ray.init` whose driver paths pass through `order` when Ray sends the
+    config to the cluster. Ray (`ray._private.worker.connect`) appends the driver's script folder and working
+    directory to `_py_driver_sys_path` just before it serializes the config; each worker inserts them at the
+    front of its `sys.path`, one by one, before its first task (app/infra/import_path.py)."""
+    from ray.job_config import JobConfig
+
+    class _OrderedPaths(JobConfig):
+        def _get_proto_job_config(self) -> Any:
+            if self._cached_pb is None:
+                self._py_driver_sys_path = order(list(self._py_driver_sys_path))
+            return super()._get_proto_job_config()
+
+    return _OrderedPaths()
+
+
+def job_driver_paths() -> list[str]:
+    """The driver paths (`job_config`) of the job this process is the driver of (Ray must be initialized)."""
+    import ray
+
+    return list(ray._private.worker.global_worker.core_worker.get_job_config().py_driver_sys_path)

@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any
 
+from app.infra.import_path import python_c
 from app.rewards import RewardResult, resolve_reward_fn
 from app.rewards.combine import RewardSpec, combine, reward_specs, spec_name
 from app.rewards.guard import FailFast
@@ -81,7 +82,7 @@ class _Process:
 
     def __init__(self, spec: str, on_error: float, max_memory_mb: int | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD],
+            python_c(_CHILD),  # Relay's root ahead of the working directory (a user's own `app`)
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
