@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from app.config import load_config
-from app.driver import check_context, failure_reason
+from app.driver import check_context
+from app.rollout.start_watch import failure_reason
 
 
 def test_a_context_over_the_models_positions_is_refused(tmp_path):

@@ -190,7 +190,7 @@ def test_rollout_start_watch_reports_a_failed_deployment(monkeypatch):
     with Serve's message, RUNNING ends the watch (later replica failures are the weight hub's)."""
     from ray import serve
 
-    from app.driver import RolloutStartWatch
+    from app.rollout.start_watch import RolloutStartWatch
 
     states = iter(["DEPLOYING", "DEPLOY_FAILED"])
 
@@ -219,8 +219,9 @@ def test_a_rollouter_that_fails_to_start_ends_the_run_with_its_own_error(monkeyp
     import ray
     from ray import serve
 
-    from app.driver import RolloutStartWatch, fit_with_clean_stop
+    from app.driver import fit_with_clean_stop
     from app.rollout.prompt_files import DataError
+    from app.rollout.start_watch import RolloutStartWatch
 
     ready: list[str] = []
     bad = DataError("train.jsonl row 4100 (line 4101): missing key 'answer'")

@@ -197,8 +197,9 @@ def _generate(cfg: DictConfig, inputs: Any) -> list[Group]:
     """`eval.n` scored samples of every prompt, on the rollout deployment training uses."""
     import ray
 
-    from app.driver import RolloutStartWatch, start_roles
+    from app.driver import start_roles
     from app.names import app_name
+    from app.rollout.start_watch import RolloutStartWatch
 
     watch = RolloutStartWatch(app_name(cfg.ray.name))
     roles = start_roles(cfg, inputs, watch)  # (the handles must live while the actors work)

@@ -12,6 +12,7 @@ partial.py         `rollout.partial` as one policy object per value (`partial_po
 filtering.py       dynamic sampling: a group whose samples all got the same reward is dropped
 serve_generate.py  the `GenerateFn` over the Serve deployment (app/serve_rollout.py)
 reference.py       reference log-probs off the trainer (`RefPool`)
+start_watch.py     `RolloutStartWatch`: the rollout application's start watched while the run goes on
 """
 
 from app.rollout.generator import Frozen, GenerateFn, GroupGenerator

@@ -60,8 +60,9 @@ def report(layout, cache_dir, tmp_path_factory) -> dict:
     from ray.train.torch import TorchTrainer
 
     from app.config import load_config, to_container
-    from app.driver import RolloutStartWatch, resolve_inputs, start_roles, teardown
+    from app.driver import resolve_inputs, start_roles, teardown
     from app.names import app_name
+    from app.rollout.start_watch import RolloutStartWatch
     from tests.integration.loops import colocated_loop
 
     tmp = tmp_path_factory.mktemp("colocated")
