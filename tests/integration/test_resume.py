@@ -37,13 +37,13 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
 
     from app.names import hub_name
 
-    # 17 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
+    # 13 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
     # before the stop: about 10 steps at most, since the staleness bound holds generation while the group
-    # restarts. B then trains the rest (7 steps or more, so that C below has a checkpoint of B's to fall back
+    # restarts. B then trains the rest (3 steps or more, so that C below has a checkpoint of B's to fall back
     # to): every prompt B trains is one more step of the suite's time. (Not
     # steps of 4 groups: generation then runs ahead to the staleness bound, 12 groups queued and none in
     # flight at the stop, and there is nothing to resume partially)
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 136)
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 104)
     common = [
         "algorithm.mode=fully_async",
         "algorithm.max_staleness=2",
@@ -54,7 +54,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         "rollout.max_model_len=128",
         "rollout.max_inflight=8",
         "rollout.max_num_seqs=4",  # generation is the bottleneck: groups are always in flight
-        "train.steps=1000",  # the data (136 prompts, one epoch) ends the run
+        "train.steps=1000",  # the data (104 prompts, one epoch) ends the run
         "train.save_every=2",
         "train.max_failures=1",
         f"data.train={tmp_path / 'train.jsonl'}",
@@ -115,22 +115,17 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
     frozen = _metric(res_a, "ckpt/partial_groups")[-1]
     assert frozen > 0, "no generation was in flight at the stop (nothing to resume partially)"
 
-    log_b = tmp_path / "b.log"
-    proc_b = subprocess.run(
-        [
-            *train_cmd(ray_cluster, cache_dir, tmp_path, "resume-b", *common),
-            "--resume",
-            str(tmp_path / "resume-a"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    log_b.write_text(proc_b.stderr)
-    assert proc_b.returncode == 0, proc_b.stderr[-4000:]
-    (line,) = re.findall(r"RESULT (\{.*\})", proc_b.stdout)
-    res_b = json.loads(line)
+    # B resumes A; while B starts, two resumes of A that must be refused before their run opens
+    _prompts(cache_dir, tmp_path / "other.jsonl", 16)
+    proc_b = _launch(ray_cluster, cache_dir, tmp_path, "resume-b", common, tmp_path / "resume-a")
+    try:
+        _refused_resumes(ray_cluster, cache_dir, tmp_path, common)
+        rc, res_b, err_b, _ = _finish(proc_b, tmp_path, "resume-b")
+    finally:
+        if proc_b.poll() is None:
+            proc_b.kill()
+            proc_b.wait(timeout=30)
+    assert rc == 0, err_b[-4000:]
     assert res_b["ok"] and "exhausted" in res_b["stopped"], res_b
     assert res_b["restored_from"]["step"] == res_a["steps"]
     assert _metric(res_b, "ckpt/restored_partial") == [frozen]
@@ -154,57 +149,70 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         f"\nresume: worker killed at v{st['version']}, recovered (training again) in {recovered_s:.1f}s; "
         f"stop froze {frozen:.0f} partial groups; B resumed at v{last_a}, {len(spanning)} groups span both runs"
     )
-    _refused_then_damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b, uids)
+    _damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b, uids)
 
 
-def _resume_cli(ray_cluster, cache_dir, tmp_path, name, common, *extra) -> tuple[int, dict, str, float]:
-    """`python -m app train ... --resume <run B>`: (exit code, RESULT, stderr, seconds)."""
+def _launch(ray_cluster, cache_dir, tmp_path, name, common, resume: Path, *extra) -> subprocess.Popen:
+    """Start `python -m app train ... --resume <resume>`, its stderr in `<name>.log`."""
+    with open(tmp_path / f"{name}.log", "w") as err:
+        return subprocess.Popen(
+            [*train_cmd(ray_cluster, cache_dir, tmp_path, name, *common, *extra), "--resume", str(resume)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+
+
+def _finish(proc: subprocess.Popen, tmp_path, name) -> tuple[int, dict, str, float]:
+    """Wait for a `_launch`ed run: (exit code, RESULT, stderr, seconds waited)."""
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            *train_cmd(ray_cluster, cache_dir, tmp_path, name, *common, *extra),
-            "--resume",
-            str(tmp_path / "resume-b"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    (tmp_path / f"{name}.log").write_text(proc.stderr)
-    (line,) = re.findall(r"RESULT (\{.*\})", proc.stdout)
-    return proc.returncode, json.loads(line), proc.stderr, time.monotonic() - t0
+    out, _ = proc.communicate(timeout=900)
+    err = (tmp_path / f"{name}.log").read_text()
+    found = re.findall(r"RESULT (\{.*\})", out)
+    assert len(found) == 1, f"{name}: exit code {proc.returncode}, no RESULT line: {err[-4000:]}"
+    return proc.returncode, json.loads(found[0]), err, time.monotonic() - t0
 
 
-def _refused_then_damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b, uids) -> None:
-    """Another model, or other data, refused before the run opens (no Ray); then B's newest checkpoint
-    loses its pipeline.json: run C continues from B's previous checkpoint, saying so, and in the lineage
-    A, B (up to that checkpoint), C every prompt is still trained exactly once."""
+def _refused_resumes(ray_cluster, cache_dir, tmp_path, common) -> None:
+    """Resumes of A with another model, or with other data, both refused before the run opens (no Ray), as
+    input errors (exit 2) naming the difference and the fix."""
     other_model = tmp_path / "other-model"  # only its config.json is read: refused before anything loads it
     other_model.mkdir()
     (other_model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
-    rc, res, err, secs = _resume_cli(
+    t0 = time.monotonic()
+    a = tmp_path / "resume-a"
+    model = _launch(
         ray_cluster,
         cache_dir,
         tmp_path,
         "resume-m",
         common,
+        a,
         f"model.path={other_model}",
         "model.allow_toy_settings=true",  # a model that is not built in, on the toy task
+    )
+    data = _launch(
+        ray_cluster, cache_dir, tmp_path, "resume-d", common, a, f"data.train={tmp_path / 'other.jsonl'}"
+    )
+    (rc, res, err, _), (rc_d, res_d, err_d, _) = (
+        _finish(p, tmp_path, n) for p, n in ((model, "resume-m"), (data, "resume-d"))
     )
     # refused before anything starts: an input error (exit 2), like a config error
     assert rc == 2 and "'builtin:tiny'" in res["error"] and f"'{other_model}'" in res["error"], res
     assert "MLflow run" not in err, "refused only after the run opened"
-    _prompts(cache_dir, tmp_path / "other.jsonl", 16)
-    rc, res, err, secs_d = _resume_cli(
-        ray_cluster, cache_dir, tmp_path, "resume-d", common, f"data.train={tmp_path / 'other.jsonl'}"
-    )
-    assert rc == 2 and "other.jsonl" in res["error"] and "--resume-with-new-data" in res["error"], res
-    assert "MLflow run" not in err, "refused only after the run opened"
+    assert rc_d == 2 and "other.jsonl" in res_d["error"] and "--resume-with-new-data" in res_d["error"], res_d
+    assert "MLflow run" not in err_d, "refused only after the run opened"
+    print(f"refused another model and other data in {time.monotonic() - t0:.1f}s (before Ray)")
 
+
+def _damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b, uids) -> None:
+    """B's newest checkpoint loses its pipeline.json: run C continues from B's previous checkpoint, saying
+    so, and in the lineage A, B (up to that checkpoint), C every prompt is still trained exactly once."""
     damaged = Path(res_b["checkpoint"])
     (damaged / "pipeline.json").unlink()
-    rc, res_c, err, secs_c = _resume_cli(ray_cluster, cache_dir, tmp_path, "resume-c", common)
+    proc = _launch(ray_cluster, cache_dir, tmp_path, "resume-c", common, tmp_path / "resume-b")
+    rc, res_c, err, secs_c = _finish(proc, tmp_path, "resume-c")
     assert rc == 0 and res_c["ok"], err[-4000:]
     assert re.search(rf"checkpoint {re.escape(str(damaged))} is damaged \(pipeline.json: missing\)", err), (
         err[-4000:]
@@ -218,6 +226,6 @@ def _refused_then_damaged_resume(ray_cluster, cache_dir, tmp_path, common, res_b
     c = _trained(c_log) if c_log.exists() else []
     assert Counter(t["uid"] for t in a + b + c) == Counter(uids)  # once in the lineage A -> B -> C
     print(
-        f"refused another model in {secs:.1f}s, other data in {secs_d:.1f}s (before Ray); C fell back to "
-        f"step {back['step']} of B (newest: {res_b['steps']}) and trained {len(c)} groups in {secs_c:.0f}s"
+        f"C fell back to step {back['step']} of B (newest: {res_b['steps']}) and trained {len(c)} groups "
+        f"in {secs_c:.0f}s"
     )
