@@ -37,13 +37,13 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
 
     from app.names import hub_name
 
-    # 13 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
+    # 14 steps of 8 groups. A reaches version 3, loses a worker, restores step 2 (or 4) and trains 2 more steps
     # before the stop: about 10 steps at most, since the staleness bound holds generation while the group
-    # restarts. B then trains the rest (3 steps or more, so that C below has a checkpoint of B's to fall back
+    # restarts. B then trains the rest (4 steps or more, so that C below has a checkpoint of B's to fall back
     # to): every prompt B trains is one more step of the suite's time. (Not
     # steps of 4 groups: generation then runs ahead to the staleness bound, 12 groups queued and none in
     # flight at the stop, and there is nothing to resume partially)
-    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 104)
+    uids = _prompts(cache_dir, tmp_path / "train.jsonl", 112)
     common = [
         "algorithm.mode=fully_async",
         "algorithm.max_staleness=2",
@@ -54,7 +54,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         "rollout.max_model_len=128",
         "rollout.max_inflight=8",
         "rollout.max_num_seqs=4",  # generation is the bottleneck: groups are always in flight
-        "train.steps=1000",  # the data (104 prompts, one epoch) ends the run
+        "train.steps=1000",  # the data (112 prompts, one epoch) ends the run
         "train.save_every=2",
         "train.max_failures=1",
         f"data.train={tmp_path / 'train.jsonl'}",
