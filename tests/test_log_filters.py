@@ -146,7 +146,8 @@ def fresh(monkeypatch):
     monkeypatch.setattr(log_filters, "_user_env", {})
     for k in (RAY_SKIP_ENV, "PYTHONWARNINGS", log_filters.TRAIN_CALLBACKS_ENV, *log_filters.LIBRARY_ENV):
         monkeypatch.delenv(k, raising=False)
-    loggers = [logging.getLogger(n) for n in (*log_filters.DRIVER_LOGGERS, log_filters.PG_CLEANER_LOGGER)]
+    names = (*log_filters.DRIVER_LOGGERS, log_filters.PG_CLEANER_LOGGER, log_filters.RESOURCE_REQUEST_LOGGER)
+    loggers = [logging.getLogger(n) for n in names]
     saved = [(lg, list(lg.filters)) for lg in loggers]
     root_level = logging.getLogger().level
     yield
@@ -299,6 +300,24 @@ def test_a_late_resource_request_is_one_line_once_and_other_failures_keep_their_
     assert first.getMessage().startswith("Failed to send resource request for train-1. (late replies")
     assert "\n" not in first.getMessage()
     assert other.exc_info is not None and isinstance(other.exc_info[1], RuntimeError)
+
+
+def test_the_controller_callback_installs_the_filters_as_it_is_unpickled(fresh):
+    """Ray Train pickles its callbacks to the controller actor; the scaling policy's first resource request
+    may come before any `after_controller_start` of ours, so the filters go in at unpickling."""
+    import pickle
+
+    from app.infra.train_log_callback import ControllerLogFilters
+
+    for name in (log_filters.PG_CLEANER_LOGGER, log_filters.RESOURCE_REQUEST_LOGGER):
+        logging.getLogger(name).filters[:] = []
+    cb = pickle.loads(pickle.dumps(ControllerLogFilters()))
+    assert isinstance(cb, ControllerLogFilters)
+    for name, kind in (
+        (log_filters.PG_CLEANER_LOGGER, log_filters.CleanerStopFilter),
+        (log_filters.RESOURCE_REQUEST_LOGGER, log_filters.ResourceRequestFilter),
+    ):
+        assert [type(f) for f in logging.getLogger(name).filters] == [kind], name
 
 
 def test_ray_train_builds_the_controller_callback_from_the_variable(fresh, monkeypatch):

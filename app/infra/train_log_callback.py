@@ -3,9 +3,11 @@ Relay code otherwise.
 
 app/infra/log_filters.py `quiet_ray_noise()` names `ControllerLogFilters` in RAY_TRAIN_CALLBACKS; Ray Train
 reads that variable in the driver when the trainer is built (`_initialize_env_callbacks`, Ray 2.60) and the
-callback travels to the controller with the run. There, before the control loop starts, it installs
-`CleanerStopFilter` and `ResourceRequestFilter` (log_filters.py: why a late stop of the placement-group cleaner
-and a late reply to a resource request are harmless).
+callback travels, pickled, to the controller with the run. There it installs `CleanerStopFilter` and
+`ResourceRequestFilter` (log_filters.py: why a late stop of the placement-group cleaner and a late reply to a
+resource request are harmless) as it is unpickled, when the controller actor is built: before any callback
+runs (the scaling policy sends its first resource request in its own `after_controller_start`, which may come
+first), and again in `after_controller_start`.
 `ControllerCallback` is Ray Train's developer API.
 """
 
@@ -19,7 +21,16 @@ from app.infra.log_filters import quiet_train_controller
 
 
 class ControllerLogFilters(ControllerCallback):
-    """Installs Relay's filter on Ray Train's controller loggers when the controller starts."""
+    """Installs Relay's filters on Ray Train's controller loggers where the controller unpickles it."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _unpickled, ()
 
     def after_controller_start(self, train_run_context: Any) -> None:
         quiet_train_controller()
+
+
+def _unpickled() -> ControllerLogFilters:
+    """The callback, unpickled in the controller's process: the filters go in at once."""
+    quiet_train_controller()
+    return ControllerLogFilters()
