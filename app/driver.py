@@ -291,7 +291,6 @@ def start_roles(
     proxy unless the env kind started it with one: the roles call the replicas through handles."""
     import ray
 
-    from app.infra import ray_compat
     from app.names import NAMESPACE, app_name, rollouter_name
     from app.rollout.rollouter import Rollouter
     from app.serve_rollout import build_app
@@ -508,7 +507,6 @@ def teardown(cfg: DictConfig, started: bool) -> None:
 def _delete_apps(cfg: DictConfig, wait: bool) -> None:
     """Delete this run's Serve apps: the env kind's services (the OpenAI endpoint), then the rollout
     deployment they call."""
-    from app.infra import ray_compat
     from app.names import app_name
 
     try:
