@@ -188,9 +188,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         _emit_result({"ok": False, "error": str(e)[:2000]})
         return 1
     except Exception as e:
-        _report_failure(e)
-        _emit_result({"ok": False, "error": str(user_error(e) or e)[:2000]})
-        return 1
+        return _failed(e, 1)
     _emit_result({"ok": True, **result})
     return 0
 
