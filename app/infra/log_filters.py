@@ -210,12 +210,11 @@ class ResourceRequestFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if type(exc).__name__ != "GetTimeoutError" or not record.getMessage().startswith(
-            "Failed to send resource request"
-        ):
+        text = record.getMessage()
+        if type(exc).__name__ != "GetTimeoutError" or not text.startswith("Failed to send resource request"):
             return True
         self.seen += 1
-        first = record.getMessage().split(" If this", 1)[0]
+        first = text.split(" If this", 1)[0]
         record.exc_info, record.exc_text = None, None
         record.msg = "%s (late replies from the autoscaling coordinator on a loaded machine; harmless)"
         record.args = (first,)
