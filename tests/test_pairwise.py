@@ -36,12 +36,18 @@ def _info(port: int, timeout_s: float) -> GroupInfo:
     )
 
 
-def _receiver(rank: int, port: int, plan_q, result_q, die_mid: bool, timeout_s: float) -> None:
+def _receiver(rank: int, port: int, go, plan_q, result_q, die_mid: bool, timeout_s: float) -> None:
     """One stand-in vLLM worker: joins as weight-group `rank`, receives one push, answers into the epoch's
-    store under its rank (what `ack_board.answered` does in a worker) and reports what it got."""
+    store under its rank (what `ack_board.answered` does in a worker) and reports what it got.
+
+    It joins once `go` is set, when every receiver has started: on a loaded machine one spawned process can
+    take longer to import torch than the group's timeout, which would fail the first one's join instead (a
+    replica joins an epoch the trainer has just announced, never one announced before it started)."""
     torch.set_num_threads(1)
     receiver = make_transport("pairwise")
     result_q.put(("ready", rank))
+    if not go.wait(120):
+        raise TimeoutError("the test never let the receivers join")
     receiver.join(_info(port, timeout_s), rank, "cpu")
     plan = plan_q.get(timeout=120)
     got: dict[str, torch.Tensor] = {}
@@ -63,13 +69,13 @@ def _receiver(rank: int, port: int, plan_q, result_q, die_mid: bool, timeout_s: 
     receiver.close()
 
 
-def _push(timeout_s: float = 5.0, die_mid: int = 0):
+def _push(timeout_s: float = 30.0, die_mid: int = 0):
     ctx = mp.get_context("spawn")
-    result_q, port = ctx.Queue(), free_port()
+    result_q, port, go = ctx.Queue(), free_port(), ctx.Event()
     plan_qs = {r: ctx.Queue() for r in RECEIVERS}
     procs = {
         r: ctx.Process(
-            target=_receiver, args=(r, port, plan_qs[r], result_q, r == die_mid, timeout_s), daemon=True
+            target=_receiver, args=(r, port, go, plan_qs[r], result_q, r == die_mid, timeout_s), daemon=True
         )
         for r in RECEIVERS
     }
@@ -78,6 +84,7 @@ def _push(timeout_s: float = 5.0, die_mid: int = 0):
     sender = make_transport("pairwise")
     try:
         assert sorted(result_q.get(timeout=120)[1] for _ in RECEIVERS) == list(RECEIVERS)
+        go.set()
         sender.open(_info(port, timeout_s), "cpu")
         state = _state(1)
         plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in state.items()], 2**18, version=9)
