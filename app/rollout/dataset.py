@@ -1,6 +1,6 @@
 """The prompt files as Ray Data datasets: streamed, validated (app.rollout.prompt_files), tokenized, typed as `Prompt`s.
 
-A file is never whole in one process. One Ray Data read task per file (`PromptFile`, pinned to the
+A file over `IN_PROCESS_BYTES` is never whole in one process. One Ray Data read task per file (`PromptFile`, pinned to the
 rollouter's node, where the path was checked) reads it block by block: `.jsonl` line by line, `.parquet`
 batch by batch. That reader numbers the rows (and JSONL lines) as it goes, so the numbers are exact by
 construction, whatever order later stages see the blocks in: they are in every error message and are the
@@ -10,8 +10,9 @@ a string in some rows and messages in others, and line numbers would be lost).
 Stages: read -> `Normalize` (one actor: `app.rollout.prompt_files.normalize_row` per record, plus the duplicate-id check,
 which needs every id of the file in one place) -> `Tokenize` (chat template; `data.truncation=error`
 fails on an overlong prompt, naming the file and row; under `drop` the `PromptStream` counts and skips
-them; a prompt of 0 tokens fails under either, naming the file and row: vLLM cannot generate from it). The training set is materialized once (token ids are small; the object store spills to disk).
-Validation prompts (a few hundred rows) go through the same stages in the rollouter's own process
+them; a prompt of 0 tokens fails under either, naming the file and row: vLLM cannot generate from it). The training set is materialized once (token ids are small; the object
+store spills to disk). A training file of at most `IN_PROCESS_BYTES` goes through the same stages in the
+rollouter's own process (`prepared_file`) and enters the object store as one block. Validation prompts (a few hundred rows) go through the same stages in the rollouter's own process
 (`val_prompts`): no worker process to start for them.
 """
 
@@ -365,14 +366,47 @@ def train_dataset(
     paths = [paths] if isinstance(paths, str) else list(paths)
     datasets = []
     for i, path in enumerate(paths):
+        prefix = uid_prefix(i, len(paths))
         with data_errors():
-            ds = prompt_dataset(
-                path, tokenizer_path, max_prompt_tokens, truncation, 0, columns, uid_prefix(i, len(paths))
-            ).materialize()
+            ds = prepared_file(path, tokenizer_path, max_prompt_tokens, truncation, columns, prefix)
         if ds.count() == 0:
             raise no_rows(check_path(path))
-        datasets.append(few_blocks(ds))
+        datasets.append(ds)
     return TrainSet(datasets, weights, shuffle, seed)
+
+
+# a training file up to this size is read and tokenized in the calling process (the rollouter); larger ones
+# are streamed through Ray Data's reader and tokenizer workers, a block at a time
+IN_PROCESS_BYTES = 16 * 2**20
+
+
+def prepared_file(
+    path: str,
+    tokenizer_path: str,
+    max_prompt_tokens: int,
+    truncation: str,
+    columns: Columns | None = None,
+    prefix: str = "",
+) -> Any:
+    """One training file, checked and tokenized, as a materialized Ray Data dataset in few blocks.
+
+    A file of at most IN_PROCESS_BYTES goes through `Prepare` here, block by block, as the validation
+    prompts do, and becomes one Arrow block in the object store: the rows, their order and the errors are
+    those of the streamed path, without a reader task and a tokenizer actor to start (a worker process that
+    imports the reader and transformers: about 10 CPU-seconds before a run's first step, for milliseconds of
+    tokenizing). A larger file is streamed (`prompt_dataset`): never whole in one process."""
+    import ray
+
+    p = checked_file(path, columns)
+    if p.stat().st_size > IN_PROCESS_BYTES:
+        ds = prompt_dataset(str(p), tokenizer_path, max_prompt_tokens, truncation, 0, columns, prefix)
+        return few_blocks(ds.materialize())
+    import pyarrow as pa
+
+    configure_data_context()
+    rows = prepared_rows(str(p), tokenizer_path, max_prompt_tokens, truncation, 0, columns, prefix)
+    ds = ray.data.from_arrow(pa.Table.from_pylist(rows))
+    return ds if ds.count() <= SHUFFLE_BLOCK_ROWS else few_blocks(ds)
 
 
 SHUFFLE_BLOCK_ROWS = 100_000  # rows per block of a materialized training set (see `few_blocks`)

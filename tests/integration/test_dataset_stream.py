@@ -3,6 +3,8 @@ rows and the errors are those of `app.rollout.prompt_files.load_rows`, across se
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -126,3 +128,36 @@ def test_train_set_in_few_blocks_keeps_order_and_seeded_shuffles(ray_cluster, mo
     assert sorted(e0) == sorted(in_order) and e0 != in_order
     assert [r["uid"] for r in big.epoch(0)] == e0
     assert [r["uid"] for r in big.epoch(1)] != e0
+
+
+def test_a_small_training_file_tokenized_in_process_gives_the_streamed_epochs_and_errors(
+    ray_cluster, cache_dir, tmp_path, monkeypatch
+):
+    """A training file of at most IN_PROCESS_BYTES is checked and tokenized in the rollouter's own process; a
+    larger one streams through Ray Data's reader and tokenizer workers. Both give the same prompts in the same
+    order at every seeded epoch, and the same one-line error for a bad row."""
+    from app.rollout import dataset
+    from app.rollout.prompt_files import Columns
+    from app.tasks.tiny import ensure_builtin
+
+    tok = str(ensure_builtin(cache_dir) / "model")
+    rows = [{"prompt": f"max:{1000 + i}=", "answer": str(i % 7), "id": f"q{i}"} for i in range(300)]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*rows[:150], {"prompt": "max:1=", "answer": "1", "id": "q3"}])
+
+    def epochs() -> list[list]:
+        train = dataset.train_dataset(path, tok, 64, "drop", Columns(), None, shuffle=True, seed=3)
+        return [[dataset.to_prompt(r) for r in train.epoch(e)] for e in (0, 1)]
+
+    def error() -> str:
+        with pytest.raises(DataError) as exc:
+            dataset.train_dataset(bad, tok, 64, "drop", Columns(), None, shuffle=True, seed=3)
+        return str(exc.value)
+
+    assert Path(path).stat().st_size <= dataset.IN_PROCESS_BYTES
+    in_process, in_process_error = epochs(), error()
+    monkeypatch.setattr(dataset, "IN_PROCESS_BYTES", 0)  # every file streamed
+    assert epochs() == in_process
+    assert error() == in_process_error and "row 150" in in_process_error and "'q3'" in in_process_error
+    assert len(in_process[0]) == 300 and in_process[0] != in_process[1]
+    assert sorted(p.uid for p in in_process[0]) == sorted(f"q{i}" for i in range(300))
