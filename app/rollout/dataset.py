@@ -397,8 +397,8 @@ def prepared_file(
     tokenizing). A larger file is streamed (`prompt_dataset`): never whole in one process."""
     import ray
 
-    p = checked_file(path, columns)
-    if p.stat().st_size > IN_PROCESS_BYTES:
+    p = check_path(path)  # (each path below checks the file whole: `checked_file`)
+    if p.is_file() and p.stat().st_size > IN_PROCESS_BYTES:
         ds = prompt_dataset(str(p), tokenizer_path, max_prompt_tokens, truncation, 0, columns, prefix)
         return few_blocks(ds.materialize())
     import pyarrow as pa
