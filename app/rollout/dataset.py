@@ -1,19 +1,20 @@
 """The prompt files as Ray Data datasets: streamed, validated (app.rollout.prompt_files), tokenized, typed as `Prompt`s.
 
-A file over `IN_PROCESS_BYTES` is never whole in one process. One Ray Data read task per file (`PromptFile`, pinned to the
-rollouter's node, where the path was checked) reads it block by block: `.jsonl` line by line, `.parquet`
-batch by batch. That reader numbers the rows (and JSONL lines) as it goes, so the numbers are exact by
-construction, whatever order later stages see the blocks in: they are in every error message and are the
-default uids. JSON is decoded per line (not `read_json`: Arrow's schema inference breaks when `prompt` is
-a string in some rows and messages in others, and line numbers would be lost).
+A file over `IN_PROCESS_BYTES` is never whole in one process. One Ray Data read task per file (`PromptFile`,
+pinned to the rollouter's node, where the path was checked) reads it block by block: `.jsonl` line by line,
+`.parquet` batch by batch. That reader numbers the rows (and JSONL lines) as it goes, so the numbers are exact
+by construction, whatever order later stages see the blocks in: they are in every error message and are the
+default uids. JSON is decoded per line (not `read_json`: Arrow's schema inference breaks when `prompt` is a
+string in some rows and messages in others, and line numbers would be lost).
 
-Stages: read -> `Normalize` (one actor: `app.rollout.prompt_files.normalize_row` per record, plus the duplicate-id check,
-which needs every id of the file in one place) -> `Tokenize` (chat template; `data.truncation=error`
-fails on an overlong prompt, naming the file and row; under `drop` the `PromptStream` counts and skips
-them; a prompt of 0 tokens fails under either, naming the file and row: vLLM cannot generate from it). The training set is materialized once (token ids are small; the object
-store spills to disk). A training file of at most `IN_PROCESS_BYTES` goes through the same stages in the
-rollouter's own process (`prepared_file`) and enters the object store as one block. Validation prompts (a few hundred rows) go through the same stages in the rollouter's own process
-(`val_prompts`): no worker process to start for them.
+Stages: read -> `Normalize` (one actor: `app.rollout.prompt_files.normalize_row` per record, plus the
+duplicate-id check, which needs every id of the file in one place) -> `Tokenize` (chat template;
+`data.truncation=error` fails on an overlong prompt, naming the file and row; under `drop` the `PromptStream`
+counts and skips them; a prompt of 0 tokens fails under either, naming the file and row: vLLM cannot generate
+from it). The training set is materialized once (token ids are small; the object store spills to disk). A
+training file of at most `IN_PROCESS_BYTES` goes through the same stages in the rollouter's own process
+(`prepared_file`) and enters the object store as one block. Validation prompts (a few hundred rows) go through
+the same stages in the rollouter's own process (`val_prompts`): no worker process to start for them.
 """
 
 from __future__ import annotations
