@@ -378,7 +378,10 @@ def test_cli_section_typo_names_the_valid_sections_and_prints_result():
             "model.path=builtin:tinyy",
             "choose exactly one of builtin:tiny, builtin:tiny-code, builtin:tiny-calc",
         ),
-        ("data.val=builtin:arth", "choose exactly one of builtin:arith, builtin:wordproblems, builtin:code"),
+        (
+            "data.val=builtin:arth",
+            "choose exactly one of builtin:arith, builtin:wordproblems, builtin:mathproblems, builtin:code",
+        ),
     ],
 )
 def test_wrong_values_say_what_is_expected(override, expected):
@@ -495,12 +498,26 @@ def test_allow_toy_settings_keeps_them_on_purpose():
     assert cfg.model.path == "/models/m" and cfg.data.val == "builtin:arith"
 
 
-def test_math_preset_is_real_work():
+def test_math_preset_runs_a_real_model_without_a_hub_or_files():
+    """`--config math` as it stands: SmolLM2-135M on the built-in MATH-layout problems with the math reward;
+    the real MATH with a 1.5B model is the overrides its header names."""
     cfg = load_config("math", [])
-    assert cfg.model.path == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.model.dtype == "bfloat16"
-    assert cfg.reward.fn == "math" and cfg.train.lr == 1e-6 and cfg.rollout.max_tokens >= 1024
-    assert cfg.data.val.endswith("test.parquet") and cfg.data.val_size == 500
-    assert load_config("math", ["model.path=/models/mine"]).model.path == "/models/mine"
+    assert cfg.model.path == "builtin:smollm2-135m" and cfg.model.dtype == "bfloat16"
+    assert cfg.data.train == cfg.data.val == "builtin:mathproblems" and cfg.reward.fn == "math_shaped"
+    assert cfg.rollout.cuda_graphs and cfg.train.lr == 1e-5
+    real = load_config(
+        "math",
+        [
+            "model.path=Qwen/Qwen2.5-1.5B-Instruct",
+            "train.lr=1e-6",
+            "data.train=m/train.parquet",
+            "data.val=m/test.parquet",
+            "data.val_size=500",
+            "rollout.max_tokens=3072",
+            "rollout.max_model_len=4096",
+        ],
+    )
+    assert real.model.path == "Qwen/Qwen2.5-1.5B-Instruct" and real.data.val_size == 500
 
 
 def test_gsm8k_preset_runs_a_real_model_without_a_hub_or_files():

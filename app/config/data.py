@@ -16,7 +16,8 @@ class DataConfig(_Section):
     train: Any = "builtin:arith"
     """`builtin:arith`, `builtin:code` (small programs with tests, scored in the sandbox), `builtin:calc`
     (two-digit products with a calculator tool: multi-turn, env.name=calculator), `builtin:wordproblems`
-    (seeded GSM8K-layout word problems for a real model), `builtin:humaneval` (OpenAI's HumanEval), or a .parquet
+    (seeded GSM8K-layout word problems for a real model), `builtin:mathproblems` (seeded MATH-layout problems
+    with `\\boxed{}` answers, for a real model), `builtin:humaneval` (OpenAI's HumanEval), or a .parquet
     (verl layout) / .jsonl (`{"prompt", "answer"}`) file (`~` expanded), or a list of such files
     (`data.train=[a.parquet,b.jsonl]`): mixed as `train_weights` says. With several files each row's uid
     is prefixed with its file's position (`1/17`). Every file's columns and first rows are checked at start,

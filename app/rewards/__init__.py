@@ -148,11 +148,44 @@ def math_reward(response: str, answer: str) -> float:
     return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
 
 
+def last_boxed(text: str) -> str | None:
+    """The contents of the last `\\boxed{...}` in `text` (braces matched), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def math_shaped_reward(response: str, answer: str) -> dict[str, float]:
+    """The math reward with partial credit, for models that rarely box their answer at first (as
+    `gsm8k_shaped` does for `#### N`):
+
+    * 1.0: the last `\\boxed{}` holds an answer equivalent to `answer` (the strict match);
+    * 0.8: no right boxed answer, but math-verify's reading of the whole response is right (the flexible match);
+    * 0.1: a `\\boxed{}` that is wrong (the format alone);
+    * 0.0: otherwise.
+
+    Extras `strict`, `flexible` and `formatted` (0/1) are logged per step and at validation beside the score.
+    """
+    boxed = last_boxed(response)
+    strict = boxed is not None and math_reward(f"$\\boxed{{{boxed}}}$", answer) == 1.0
+    flexible = strict or math_reward(response, answer) == 1.0
+    formatted = boxed is not None
+    score = 1.0 if strict else 0.8 if flexible else 0.1 if formatted else 0.0
+    return {"score": score, "strict": float(strict), "flexible": float(flexible), "formatted": float(formatted)}
+
+
 BUILTINS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "gsm8k": gsm8k_reward,
     "gsm8k_shaped": gsm8k_shaped_reward,
     "math": math_reward,
+    "math_shaped": math_shaped_reward,
     "code": code_reward,
     "humaneval": humaneval_reward,
 }
@@ -184,7 +217,7 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     if spec in BUILTINS:
         return BUILTINS[spec]
     hint = (
-        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', 'code', "
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', 'math_shaped', 'code', "
         "'humaneval', a dotted path 'pkg.module:function' to a function importable from the working "
         "directory (PYTHONPATH), or a file 'path/to/reward.py:function' (verl's custom_reward_function)"
     )

