@@ -67,5 +67,7 @@ def test_math_shaped_gives_the_box_the_answer_and_the_format_their_credit():
     }
     for response, (score, strict, flexible, formatted) in cases.items():
         got = math_shaped_reward(response, half)
-        assert got == {"score": score, "strict": strict, "flexible": flexible, "formatted": formatted}, response
+        assert got == {"score": score, "strict": strict, "flexible": flexible, "formatted": formatted}, (
+            response
+        )
     assert resolve_reward_fn("math_shaped") is math_shaped_reward

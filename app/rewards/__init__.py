@@ -177,7 +177,12 @@ def math_shaped_reward(response: str, answer: str) -> dict[str, float]:
     flexible = strict or math_reward(response, answer) == 1.0
     formatted = boxed is not None
     score = 1.0 if strict else 0.8 if flexible else 0.1 if formatted else 0.0
-    return {"score": score, "strict": float(strict), "flexible": float(flexible), "formatted": float(formatted)}
+    return {
+        "score": score,
+        "strict": float(strict),
+        "flexible": float(flexible),
+        "formatted": float(formatted),
+    }
 
 
 BUILTINS: dict[str, RewardFn] = {
