@@ -49,6 +49,8 @@ def test_rows_are_chat_prompts_routed_to_the_math_reward(tmp_path):
     assert len(rows) == 200 and rows[0]["id"] == "mp-val-0" and rows[0]["data_source"] == SOURCE
     assert rows[0]["prompt"][0]["role"] == "user" and rows[0]["prompt"][0]["content"].endswith(INSTRUCTION)
     assert resolve_reward_fn("auto", SOURCE) is math_reward
+    first = json.loads((root / "train.jsonl").read_text().splitlines()[0])
+    assert first["id"] == "mp-train-0" and first["extra_info"]["split"] == "train"
     assert ensure_math_problems(tmp_path, seed=0) == root  # built once
 
 

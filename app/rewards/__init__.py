@@ -106,6 +106,18 @@ def gsm8k_reward(response: str, answer: str, flexible: bool = False) -> float:
     return 1.0 if truth is not None and pred is not None and truth == pred else 0.0
 
 
+def shaped_score(strict: bool, flexible: bool, formatted: bool) -> dict[str, float]:
+    """The shaped rewards' ladder: 1.0 for the strict match, 0.8 for the flexible one, 0.1 for the format
+    alone, else 0.0; with the three outcomes as 0/1 extras."""
+    score = 1.0 if strict else 0.8 if flexible else 0.1 if formatted else 0.0
+    return {
+        "score": score,
+        "strict": float(strict),
+        "flexible": float(flexible),
+        "formatted": float(formatted),
+    }
+
+
 def gsm8k_shaped_reward(response: str, answer: str) -> dict[str, float]:
     """GSM8K with partial credit, for models that rarely write the strict form at first (verl's gsm8k reward
     has the flexible match and the format score; this combines them):
@@ -124,13 +136,7 @@ def gsm8k_shaped_reward(response: str, answer: str) -> dict[str, float]:
     strict = truth is not None and strict_pred == truth
     flexible = truth is not None and (strict or last == truth)
     formatted = strict_pred is not None
-    score = 1.0 if strict else 0.8 if flexible else 0.1 if formatted else 0.0
-    return {
-        "score": score,
-        "strict": float(strict),
-        "flexible": float(flexible),
-        "formatted": float(formatted),
-    }
+    return shaped_score(strict, flexible, formatted)
 
 
 def math_reward(response: str, answer: str) -> float:
@@ -176,13 +182,7 @@ def math_shaped_reward(response: str, answer: str) -> dict[str, float]:
     strict = boxed is not None and math_reward(f"$\\boxed{{{boxed}}}$", answer) == 1.0
     flexible = strict or math_reward(response, answer) == 1.0
     formatted = boxed is not None
-    score = 1.0 if strict else 0.8 if flexible else 0.1 if formatted else 0.0
-    return {
-        "score": score,
-        "strict": float(strict),
-        "flexible": float(flexible),
-        "formatted": float(formatted),
-    }
+    return shaped_score(strict, flexible, formatted)
 
 
 BUILTINS: dict[str, RewardFn] = {

@@ -10,6 +10,7 @@ and cached under `model.cache_dir`: the registry below is the one place that kno
     mathproblems.py  `builtin:mathproblems`: seeded competition-style problems in MATH's layout (`\\boxed{}`)
     code.py   the code task `builtin:code`: tiny stdin/stdout programs scored in the sandbox
     humaneval.py  `builtin:humaneval`: OpenAI's HumanEval as chat prompts for a real instruct model
+    splits.py  writing a task's `train.jsonl` and `val.jsonl`, each whole or not at all
 
 A new built-in is a module with a build function `(cache_dir, seed) -> folder` and one entry here. The config
 checks a run against the entry (`task_problems`) before anything is built; the driver builds what the run

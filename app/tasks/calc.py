@@ -12,12 +12,12 @@ pairs.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from pathlib import Path
 
 from app.envs.calculator import observation
+from app.tasks.splits import write_splits
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,8 @@ def ensure_calc_task(cache_dir: str | Path, seed: int = 0) -> Path:
     root = Path(cache_dir) / f"builtin-calc-task-v{CALC_BUILD_VERSION}-seed{seed}"
     if (root / "val.jsonl").exists():
         return root
-    root.mkdir(parents=True, exist_ok=True)
     train, val = make_calc_problems(seed)
-    for name, rows in (("train", train), ("val", val)):
-        tmp = root / f"{name}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.rename(root / f"{name}.jsonl")
-    return root
+    return write_splits(root, {"train": train, "val": val})
 
 
 def head_answer(prompt: str) -> str:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from app.tasks.splits import write_splits
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +228,10 @@ def make_code_rows(n: int, seed: int) -> list[dict]:
 
 def write_code_task(dir: Path, n_train: int, n_val: int, seed: int) -> Path:
     """Write `train.jsonl` and `val.jsonl` (disjoint prompts) under `dir`; returns `dir`."""
-    root = Path(dir)
-    root.mkdir(parents=True, exist_ok=True)
     problems = make_code_problems(n_train + n_val, seed)
     splits = {"train": problems[:n_train], "val": problems[n_train:]}
-    for name, items in splits.items():
-        tmp = root / f"{name}.jsonl.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for i, p in enumerate(items):
-                row = _row(p) | {"id": f"code-{name}-{i}"}
-                f.write(json.dumps(row) + "\n")
-        tmp.replace(root / f"{name}.jsonl")  # atomic: a reader never sees a half-written split
+    rows = {s: [_row(p) | {"id": f"code-{s}-{i}"} for i, p in enumerate(ps)] for s, ps in splits.items()}
+    root = write_splits(dir, rows)
     log.info("wrote builtin:code task (%d train, %d val) under %s", n_train, n_val, root)
     return root
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from app.errors import UserError
+from app.tasks.splits import write_splits
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +90,8 @@ def make_rows(problems: list[dict[str, Any]] | None = None) -> list[dict[str, An
 
 def write_humaneval_task(dir: str | Path) -> Path:
     """Write `train.jsonl` and `val.jsonl` (the same 164 rows) under `dir`; returns `dir`."""
-    root = Path(dir)
-    root.mkdir(parents=True, exist_ok=True)
     rows = make_rows()
-    for name in ("train", "val"):
-        tmp = root / f"{name}.jsonl.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        tmp.replace(root / f"{name}.jsonl")  # atomic: a reader never sees a half-written split
+    root = write_splits(dir, {"train": rows, "val": rows})
     log.info("wrote builtin:humaneval (%d problems) under %s", len(rows), root)
     return root
 

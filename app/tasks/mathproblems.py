@@ -14,13 +14,14 @@ The splits are disjoint in (kind, numbers): validation measures the skill, not m
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from math import gcd
 from pathlib import Path
+
+from app.tasks.splits import write_splits
 
 BUILD_VERSION = 1  # bump when the generator changes: invalidates the cache
 SOURCE = "math_synth"
@@ -178,12 +179,6 @@ def ensure_math_problems(cache_dir: str | Path, seed: int = 0) -> Path:
     root = Path(cache_dir) / f"mathproblems-v{BUILD_VERSION}-seed{seed}"
     if (root / "val.jsonl").exists():
         return root
-    root.mkdir(parents=True, exist_ok=True)
     train, val = make_math_problems(seed)
-    for split, problems in (("train", train), ("val", val)):
-        tmp = root / f"{split}.jsonl.tmp"
-        with open(tmp, "w") as f:
-            for i, p in enumerate(problems):
-                f.write(json.dumps(row(p, split, i)) + "\n")
-        tmp.rename(root / f"{split}.jsonl")
-    return root
+    splits = {"train": train, "val": val}
+    return write_splits(root, {s: [row(p, s, i) for i, p in enumerate(ps)] for s, ps in splits.items()})
