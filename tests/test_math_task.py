@@ -73,3 +73,13 @@ def test_math_shaped_gives_the_box_the_answer_and_the_format_their_credit():
             response
         )
     assert resolve_reward_fn("math_shaped") is math_shaped_reward
+
+
+def test_a_tiny_model_is_refused_the_math_task_naming_the_preset():
+    import pytest
+
+    from app.config import ConfigError
+    from app.preflight import load_config  # a run's load: the config checked against the built-ins
+
+    with pytest.raises(ConfigError, match=r"builtin:mathproblems needs a real tokenizer.*--config math"):
+        load_config(None, ["data.train=builtin:mathproblems", "data.val=builtin:mathproblems"])
