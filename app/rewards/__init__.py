@@ -144,14 +144,26 @@ def math_reward(response: str, answer: str) -> float:
     plain expressions, `\\boxed{}` preferred; 1/2 == 0.5 == \\frac{1}{2}, (x+1)^2 == x^2+2x+1), else 0.0.
     math-verify's own signal-based timeouts are off: the scoring process's deadline bounds the call instead
     (e.g. `\\boxed{9^{9^{9^{9}}}}`, which sympy would compute for ever)."""
-    from math_verify import parse, verify
+    return 1.0 if _equivalent(_parsed_gold(answer), response) else 0.0
 
-    gold_text = answer if ("$" in answer or "\\" in answer) else f"${answer}$"
-    gold = parse(gold_text, parsing_timeout=None)
+
+def _parsed_gold(answer: str) -> list:
+    """The reference answer as math-verify parses it (a bare `7` or `1/2` read as LaTeX); raises ValueError
+    when it cannot be parsed."""
+    from math_verify import parse
+
+    gold = parse(answer if ("$" in answer or "\\" in answer) else f"${answer}$", parsing_timeout=None)
     if not gold:
         raise ValueError(f"math reward: cannot parse the reference answer {answer!r}")
-    pred = parse(response, parsing_timeout=None)
-    return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+    return gold
+
+
+def _equivalent(gold: list, text: str) -> bool:
+    """`text`'s final answer (as math-verify reads it) is equivalent to the parsed reference `gold`."""
+    from math_verify import parse, verify
+
+    pred = parse(text, parsing_timeout=None)
+    return bool(pred) and verify(gold, pred, timeout_seconds=None)
 
 
 def last_boxed(text: str) -> str | None:
@@ -172,15 +184,17 @@ def math_shaped_reward(response: str, answer: str) -> dict[str, float]:
     `gsm8k_shaped` does for `#### N`):
 
     * 1.0: the last `\\boxed{}` holds an answer equivalent to `answer` (the strict match);
-    * 0.8: no right boxed answer, but math-verify's reading of the whole response is right (the flexible match);
+    * 0.8: no right boxed answer, but math-verify's reading of the whole response is right (the flexible
+      match);
     * 0.1: a `\\boxed{}` that is wrong (the format alone);
     * 0.0: otherwise.
 
     Extras `strict`, `flexible` and `formatted` (0/1) are logged per step and at validation beside the score.
     """
+    gold = _parsed_gold(answer)  # once, for both readings
     boxed = last_boxed(response)
-    strict = boxed is not None and math_reward(f"$\\boxed{{{boxed}}}$", answer) == 1.0
-    flexible = strict or math_reward(response, answer) == 1.0
+    strict = boxed is not None and _equivalent(gold, f"$\\boxed{{{boxed}}}$")
+    flexible = strict or _equivalent(gold, response)
     formatted = boxed is not None
     return shaped_score(strict, flexible, formatted)
 
@@ -222,8 +236,8 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     if spec in BUILTINS:
         return BUILTINS[spec]
     hint = (
-        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', 'math_shaped', 'code', "
-        "'humaneval', a dotted path 'pkg.module:function' to a function importable from the working "
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', 'math_shaped', "
+        "'code', 'humaneval', a dotted path 'pkg.module:function' to a function importable from the working "
         "directory (PYTHONPATH), or a file 'path/to/reward.py:function' (verl's custom_reward_function)"
     )
     from app.plugins import PICKLED, PluginError, is_file_spec, resolve
