@@ -15,8 +15,9 @@ class RewardConfig(_Section):
     """`auto` (per data source), `exact_match`, `gsm8k`, `gsm8k_shaped` (the strict `#### N` match 1.0, the
     flexible last-number match 0.8, the format alone 0.1: signal for a small model), `math` (answer
     equivalence with math-verify), `math_shaped` (the boxed answer 1.0, math-verify's reading of the whole
-    response 0.8, a wrong `\\boxed{}` 0.1), `code` (sandboxed tests), `humaneval` (HumanEval's tests in the sandbox), or a dotted path `pkg.module:function`/`pkg.module.function` to a function in one of
-    three styles, told apart by its parameter names: `(response, answer)`, verl's `compute_score(data_source,
+    response 0.8, a wrong `\\boxed{}` 0.1), `code` (sandboxed tests), `humaneval` (HumanEval's tests in the
+    sandbox), or a dotted path `pkg.module:function`/`pkg.module.function` to a function in one of three
+    styles, told apart by its parameter names: `(response, answer)`, verl's `compute_score(data_source,
     solution_str, ground_truth, extra_info)` or TRL's batched `(prompts, completions, **kwargs)` returning a
     list. A user function is also called once on the training data's first row before the run starts."""
     fns: list[str] = field(default_factory=list)

@@ -236,9 +236,10 @@ def resolve_reward_fn(spec: str, data_source: str | None = None) -> RewardFn:
     if spec in BUILTINS:
         return BUILTINS[spec]
     hint = (
-        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', 'math_shaped', "
-        "'code', 'humaneval', a dotted path 'pkg.module:function' to a function importable from the working "
-        "directory (PYTHONPATH), or a file 'path/to/reward.py:function' (verl's custom_reward_function)"
+        f"reward.fn={spec!r}: expected 'auto', 'exact_match', 'gsm8k', 'gsm8k_shaped', 'math', "
+        "'math_shaped', 'code', 'humaneval', a dotted path 'pkg.module:function' to a function importable "
+        "from the working directory (PYTHONPATH), or a file 'path/to/reward.py:function' (verl's "
+        "custom_reward_function)"
     )
     from app.plugins import PICKLED, PluginError, is_file_spec, resolve
 

@@ -4,10 +4,10 @@ Each problem is one of MATH's easiest kinds (prealgebra and algebra, levels 1-2)
 fractions, a linear equation, a percentage, an order-of-operations or exponent expression, a greatest common
 divisor, the mean of four numbers. The question is written in LaTeX as MATH writes it ("Compute
 $\\frac{1}{4} + \\frac{2}{3}$. Express your answer as a common fraction."), asked as a chat message with the
-instruction MATH's evaluators use (reason step by step, the final answer in `\\boxed{}`); the answer is a short
-solution ending in `\\boxed{A}`, where A is an integer or a reduced fraction. The data source is `math_synth`,
-so `reward.fn=auto` scores it with the math reward: math-verify's equivalence, so `0.5`, `\\frac{1}{2}` and
-`\\dfrac{1}{2}` all score.
+instruction MATH's evaluators use (reason step by step, the final answer in `\\boxed{}`); the answer is a
+short solution ending in `\\boxed{A}`, where A is an integer or a reduced fraction. The data source is
+`math_synth`, so `reward.fn=auto` scores it with the math reward: math-verify's equivalence, so `0.5`,
+`\\frac{1}{2}` and `\\dfrac{1}{2}` all score.
 
 The splits are disjoint in (kind, numbers): validation measures the skill, not memory.
 """
@@ -93,14 +93,18 @@ def _gcd(a: int, b: int, c: int, d: int) -> tuple[str, str, Fraction]:
     x, y = a * c, b * c  # c divides both
     value = gcd(x, y)
     problem = f"What is the greatest common divisor of ${x}$ and ${y}$?"
-    working = f"${x} = {value} \\cdot {x // value}$ and ${y} = {value} \\cdot {y // value}$, with no common factor left."
+    working = f"${x} = {value} \\cdot {x // value}$ and ${y} = {value} \\cdot {y // value}$"
+    working += ", with no common factor left."
     return problem, working, Fraction(value)
 
 
 def _mean(a: int, b: int, c: int, d: int) -> tuple[str, str, Fraction]:
     nums = (a, b, c, d)
     value = Fraction(sum(nums), 4)
-    problem = f"What is the arithmetic mean of ${a}$, ${b}$, ${c}$ and ${d}$? Express your answer as a common fraction."
+    problem = (
+        f"What is the arithmetic mean of ${a}$, ${b}$, ${c}$ and ${d}$? "
+        "Express your answer as a common fraction."
+    )
     working = f"The sum is ${sum(nums)}$; divided by $4$ it is ${latex(value)}$."
     return problem, working, value
 
@@ -164,7 +168,8 @@ def make_math_problems(
 
 
 def row(p: MathProblem, split: str, index: int) -> dict[str, object]:
-    """A prompt-file row (chat messages, the final answer as LaTeX), as scripts/prepare_data.py writes MATH."""
+    """A prompt-file row (chat messages, the final answer as LaTeX), as scripts/prepare_data.py writes
+    MATH."""
     return {
         "id": p.uid,
         "prompt": [{"role": "user", "content": f"{p.problem}\n{INSTRUCTION}"}],
@@ -175,7 +180,8 @@ def row(p: MathProblem, split: str, index: int) -> dict[str, object]:
 
 
 def ensure_math_problems(cache_dir: str | Path, seed: int = 0) -> Path:
-    """Write (once) `train.jsonl` and `val.jsonl` of the math problems under `cache_dir`; returns the folder."""
+    """Write (once) `train.jsonl` and `val.jsonl` of the math problems under `cache_dir`; returns the
+    folder."""
     root = Path(cache_dir) / f"mathproblems-v{BUILD_VERSION}-seed{seed}"
     if (root / "val.jsonl").exists():
         return root

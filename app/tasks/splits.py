@@ -9,9 +9,9 @@ from pathlib import Path
 
 
 def write_splits(root: str | Path, splits: Mapping[str, Iterable[dict]]) -> Path:
-    """Write each split's rows to `<root>/<name>.jsonl` (one JSON object a line) and return `root`. Each file is
-    written under a name of this process's own and then renamed: a reader, or a second process building the same
-    task at once, never sees a half-written split."""
+    """Write each split's rows to `<root>/<name>.jsonl` (one JSON object a line) and return `root`. Each file
+    is written under a name of this process's own and then renamed: a reader, or a second process building the
+    same task at once, never sees a half-written split."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for name, rows in splits.items():
