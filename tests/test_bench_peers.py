@@ -1,5 +1,6 @@
-"""bench/peers/trl_vs_relay.py's pure parts: Relay's config mapped to TRL's settings, the metrics.jsonl
-figures, medians and ratios (no Ray, vLLM or TRL; TRL's own check of the settings runs where it is installed)."""
+"""bench/peers/trl_vs_relay.py's and trl_vs_relay_gpu.py's pure parts: Relay's config mapped to TRL's
+settings, the metrics.jsonl figures, medians and ratios (no Ray, vLLM or TRL; TRL's own check of the settings
+runs where it is installed)."""
 
 import json
 
@@ -131,3 +132,72 @@ def test_cpu_at_interpolates_the_sampled_series():
     series = [(10.0, 1.0), (11.0, 3.0), (12.0, 3.0)]
     assert [cpu_at(series, t) for t in (5.0, 10.5, 11.5, 20.0)] == [1.0, 2.0, 3.0, 3.0]
     assert cpu_at([], 1.0) == 0.0
+
+
+# ------------------------------------------------------------------ bench/peers/trl_vs_relay_gpu.py (one GPU)
+
+
+@pytest.fixture(scope="module")
+def gpu_cfg(tmp_path_factory):
+    """The GPU bench's resolved config: configs/gpu1.yaml on 64 prompts, 16 x 8 a step, fixed 1,024 tokens."""
+    from omegaconf import OmegaConf
+
+    from app.preflight import load_config
+    from bench.peers.trl_vs_relay_gpu import OVERRIDES
+
+    overrides = [
+        "train.batch_groups=16",
+        "rollout.n=8",
+        "rollout.max_tokens=1024",
+        "rollout.max_model_len=1088",
+        "rollout.ignore_eos=true",
+        "algorithm.mode=sync",
+        *OVERRIDES,
+    ]
+    return OmegaConf.to_container(load_config("gpu1", overrides), resolve=True)
+
+
+def test_the_gpu_job_maps_to_trl_colocate_with_relays_batch_and_lengths(gpu_cfg):
+    from bench.peers.trl_vs_relay_gpu import gpu_settings
+
+    assert unmatched(gpu_cfg) == []
+    s = {**trl_settings(gpu_cfg, "/tmp/out"), **gpu_settings(gpu_cfg, 8)}
+    assert s["use_vllm"] is True and s["vllm_mode"] == "colocate" and s["use_cpu"] is False
+    assert s["vllm_gpu_memory_utilization"] == 0.4 and s["vllm_max_model_length"] == 1088
+    assert s["generation_kwargs"] == {"ignore_eos": True} and s["max_completion_length"] == 1024
+    # 128 completions a step: one generation, 16 micro-batches of 8, one optimizer step
+    assert s["generation_batch_size"] == 128 and s["num_generations"] == 8
+    assert (s["per_device_train_batch_size"], s["gradient_accumulation_steps"]) == (8, 16)
+    assert (
+        s["bf16"] is True and s["model_init_kwargs"] == {"dtype": "bfloat16"} and s["learning_rate"] == 1e-6
+    )
+    with pytest.raises(ValueError, match="--micro 12 must divide the 128 completions"):
+        gpu_settings(gpu_cfg, 12)
+
+
+def test_trl_step_points_and_the_two_ratios(tmp_path):
+    from bench.peers.trl_vs_relay_gpu import steady_tokens_per_s, step_points, with_ratios
+
+    metrics = tmp_path / "m.jsonl"
+    lines = [
+        {"step": 0, "time": 100.0, "val/reward": 0.0},
+        {"step": 1, "time": 120.0, "tokens": 1000, "reward/mean": 0.0},
+        {"step": 2, "time": 130.0, "tokens": 1000, "reward/mean": 0.0},
+        {"step": 3, "time": 140.0, "tokens": 1000, "reward/mean": 0.0},
+        {"step": 4, "time": 145.0, "tokens": 1000, "reward/mean": 0.0},
+    ]
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    points = step_points(metrics)
+    assert points == [(1, 120.0, 1000), (2, 130.0, 1000), (3, 140.0, 1000), (4, 145.0, 1000)]
+    assert steady_tokens_per_s(points) == pytest.approx(2000 / 20)  # steps 2-3, from step 1's end to 3's
+    relay = {
+        "sync": {"tokens_per_s": 300.0, "steady_tokens_per_s": 400.0},
+        "one_step_off": {"tokens_per_s": 250.0, "steady_tokens_per_s": 500.0},
+    }
+    summary = {"relay": relay, "trl": {"tokens_per_s": 200.0, "steady_tokens_per_s": 250.0}}
+    out = with_ratios(summary)
+    assert out["ratio"] == {"mode": "sync", "value": 1.5}
+    assert out["steady_ratio"] == {"mode": "one_step_off", "value": 2.0}
+    assert with_ratios({"relay": relay}) == {"relay": relay}  # TRL has not run yet
+    nan = {"trl": {"tokens_per_s": 200.0, "steady_tokens_per_s": float("nan")}, "relay": relay}
+    assert "steady_ratio" not in with_ratios(nan) and with_ratios(nan)["ratio"]["value"] == 1.5

@@ -85,8 +85,8 @@ def greedy_reward(model: Any, tok: Any, rows: list[dict], max_tokens: int) -> fl
     model.eval()
     with torch.no_grad():
         out = model.generate(
-            input_ids=x,
-            attention_mask=mask,
+            input_ids=x.to(model.device),  # (a GPU run's model is on its GPU)
+            attention_mask=mask.to(model.device),
             do_sample=False,
             max_new_tokens=max_tokens,
             eos_token_id=tok.eos_token_id,
