@@ -1,11 +1,14 @@
 """Relay beside TRL's `GRPOTrainer` (vLLM colocate) on one GPU: a Qwen2.5 shape with random weights and
 fixed-length responses, trained response tokens per second of each loop. One JSON line.
 
-    python bench/peers/trl_vs_relay_gpu.py --system relay --modes sync,one_step_off > relay.out
-    python bench/peers/trl_vs_relay_gpu.py --system trl --with relay.out            # + both and the ratio
+    python bench/peers/trl_vs_relay_gpu.py --system relay --modes sync > sync.out
+    python bench/peers/trl_vs_relay_gpu.py --system relay --modes one_step_off > off.out
+    python bench/peers/trl_vs_relay_gpu.py --system trl --with sync.out off.out   # + both and the ratios
 
-Each system runs in its own call (an engine with CUDA graphs and a 1.5B trainer fill most of a 10-minute
-call); `--with` adds an earlier call's line, and the last line then holds both systems and
+Each system (and each Relay mode: an engine with CUDA graphs and a 1.5B trainer take 5-6 minutes) runs in a
+call of its own; each Relay run leaves a 1.5B checkpoint of about 20 GB under runs/bench_async_speedup, which a
+small disk must lose between calls. `--with` adds earlier calls' lines, and the last line then holds both
+systems and
 `ratio` (Relay's best mode's tokens/s over TRL's, whole loops) and `steady_ratio` (between the first and the
 last step, as bench/async_speedup.py's `steady_tokens_per_s`). Only runs of the same `SAME` settings compare.
 
