@@ -138,7 +138,7 @@ def test_cpu_at_interpolates_the_sampled_series():
 
 
 @pytest.fixture(scope="module")
-def gpu_cfg(tmp_path_factory):
+def gpu_cfg():
     """The GPU bench's resolved config: configs/gpu1.yaml on 64 prompts, 16 x 8 a step, fixed 1,024 tokens."""
     from omegaconf import OmegaConf
 

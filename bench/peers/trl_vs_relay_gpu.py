@@ -8,9 +8,9 @@ fixed-length responses, trained response tokens per second of each loop. One JSO
 Each system (and each Relay mode: an engine with CUDA graphs and a 1.5B trainer take 5-6 minutes) runs in a
 call of its own; each Relay run leaves a 1.5B checkpoint of about 20 GB under runs/bench_async_speedup, which a
 small disk must lose between calls. `--with` adds earlier calls' lines, and the last line then holds both
-systems and
-`ratio` (Relay's best mode's tokens/s over TRL's, whole loops) and `steady_ratio` (between the first and the
-last step, as bench/async_speedup.py's `steady_tokens_per_s`). Only runs of the same `SAME` settings compare.
+systems, `ratio` (Relay's best mode's tokens/s over TRL's, whole loops) and `steady_ratio` (between the first
+and the last step, as bench/async_speedup.py's `steady_tokens_per_s`). Only runs of the same `SAME` settings
+compare.
 
 The job (the workload (b) of the peers comparison): `bench/qwen_shapes.py`'s shape (default 1.5B: random
 weights, a full 151,936-token synthetic tokenizer), `--prompts` prompts of the built-in task, `--batch-groups`
@@ -45,7 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.async_speedup import steady_tokens_per_s
+from bench.async_speedup import last_json_line, steady_tokens_per_s
+from bench.peers.trl_vs_relay import parse_result, read_metrics
 
 log = logging.getLogger("bench.peers.gpu")
 REPO = Path(__file__).resolve().parents[2]
@@ -147,8 +148,9 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     path = work / "trl_settings.json"
     path.write_text(json.dumps(settings, indent=1))
     cmd = [sys.executable, str(REPO / "bench" / "peers" / "trl_run.py"), str(path)]
-    out = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, check=True).stdout
-    res = json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
+    res = parse_result(subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, check=True).stdout)
+    if not res:
+        raise RuntimeError(f"{cmd[1]} printed no RESULT line")
     steady = steady_tokens_per_s(step_points(Path(settings["metrics"])))
     return {
         **res,
@@ -160,8 +162,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def step_points(metrics: Path) -> list[tuple[int, float, float]]:
     """(step, logged at, trained tokens) of each step in trl_run.py's metrics file (its `tokens` lines), as
     `bench.async_speedup.steady_points` reads Relay's."""
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    return [(r["step"], r["time"], r["tokens"]) for r in rows if "tokens" in r]
+    return [(r["step"], r["time"], r["tokens"]) for r in read_metrics(metrics.read_text()) if "tokens" in r]
 
 
 def with_ratios(summary: dict[str, Any]) -> dict[str, Any]:
@@ -197,18 +198,18 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     summary: dict[str, Any] = {"bench": "trl_vs_relay_gpu", **{k: getattr(args, k) for k in SAME}}
     for path in args.earlier:
-        other = json.loads([ln for ln in Path(path).read_text().splitlines() if ln.startswith("{")][-1])
+        other = last_json_line(path)
         bad = [k for k in SAME if other.get(k) != summary[k]]
         if bad:
             raise SystemExit(f"{path} ran with other {', '.join(bad)}: only runs of the same {SAME} compare")
         summary.setdefault("relay", {}).update(other.get("relay", {}))  # Relay's modes, one call each
         summary.update({"trl": other["trl"]} if "trl" in other else {})
-    work = Path(tempfile.mkdtemp(prefix="relay-peers-gpu-"))
     if args.system == "relay":
         summary.setdefault("relay", {}).update(run_relay(args))
     else:
         import importlib.metadata
 
+        work = Path(tempfile.mkdtemp(prefix="relay-peers-gpu-"))
         summary["trl"] = {**run_trl(args, work), "version": importlib.metadata.version("trl")}
     sys.stdout.write(json.dumps(with_ratios(summary)) + "\n")
 
