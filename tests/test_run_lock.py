@@ -72,7 +72,7 @@ def test_file_lock_waits_with_a_deadline(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="stayed locked"), file_lock(path, 0.3):
             pass
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 0.3 + 10  # gave up at its deadline (margin for a loaded machine)
     with file_lock(path, 0.3):  # free again
         pass
 

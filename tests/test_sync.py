@@ -590,7 +590,7 @@ def test_run_control_stop_heartbeat_and_abort():
         await control.next_control("r3", ins.seq, 0.01)
         t0 = time.monotonic()
         acks = await control.abort_inflight(0.3)
-        assert acks["missing"] == ["r1", "r3"] and time.monotonic() - t0 < 2.0
+        assert acks["missing"] == ["r1", "r3"] and time.monotonic() - t0 < 0.3 + 10
         await control.beat({"phase": "training step 4"})
         await control.request_stop("signal SIGTERM")
         await control.request_stop("a second reason is ignored")
