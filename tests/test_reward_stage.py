@@ -26,6 +26,10 @@ def sample(response: str, answer: str, data_source: str = "x") -> RewardInput:
 # The reward functions of these tests live in tests/test_rewards.py: the scoring processes import them, and
 # this module's imports (app.records, the config) would cost each process time to start.
 TOWERS = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{40}}}", "\\boxed{10^{10^7}}"]
+# Their reward deadline, and the most a killed one may take past it: they take minutes to compute, and on a
+# loaded 2-core machine the kill and the reply take over a second.
+TOWER_TIMEOUT_S = 2
+TOWER_SLACK_S = 20
 
 
 def test_pool_scores_concurrently_with_a_deadline_and_counts_failures():
@@ -58,7 +62,9 @@ def test_pool_scores_concurrently_with_a_deadline_and_counts_failures():
 def test_exponent_towers_time_out_on_the_rollouter_path():
     """reward.workers=0: the path the rollouter awaits. sympy's big-integer powers hold the GIL; the
     deadline still holds (their scoring process is killed) and the event loop keeps running meanwhile."""
-    cfg = load_config(None, ["reward.fn=math", "reward.timeout_s=2", "reward.on_error=-1"]).reward
+    cfg = load_config(
+        None, ["reward.fn=math", f"reward.timeout_s={TOWER_TIMEOUT_S}", "reward.on_error=-1"]
+    ).reward
 
     async def run() -> list[tuple[float, str | None, float, int]]:
         pool = RewardPool(cfg, "t")
@@ -87,9 +93,7 @@ def test_exponent_towers_time_out_on_the_rollouter_path():
 
     for score, error, elapsed, ticks, kills in asyncio.run(run()):
         assert (score, error, kills) == (-1.0, "timeout", 1)  # its scoring process was killed at the deadline
-        # The towers take minutes to compute; a killed one returns soon after its 2 s deadline. The margin
-        # is wide: on a loaded 2-core machine the kill and the reply take over a second.
-        assert elapsed < 2 + 20
+        assert elapsed < TOWER_TIMEOUT_S + TOWER_SLACK_S
         assert ticks >= 10  # the loop ticked (every 50 ms) while the reward hung
 
 
