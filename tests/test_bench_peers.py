@@ -1,8 +1,9 @@
-"""bench/peers/trl_vs_relay.py's and trl_vs_relay_gpu.py's pure parts: Relay's config mapped to TRL's
+"""bench/peers/trl_vs_relay.py's, trl_vs_relay_gpu.py's, trl_vs_relay_real.py's and trl_run.py's pure parts: Relay's config mapped to TRL's
 settings, the metrics.jsonl figures, medians and ratios (no Ray, vLLM or TRL; TRL's own check of the settings
 runs where it is installed)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -169,8 +170,8 @@ def test_the_gpu_job_maps_to_trl_colocate_with_relays_batch_and_lengths(gpu_cfg)
     assert s["generation_batch_size"] == 128 and s["num_generations"] == 8
     assert (s["per_device_train_batch_size"], s["gradient_accumulation_steps"]) == (8, 16)
     assert (
-        s["bf16"] is True and s["model_init_kwargs"] == {"dtype": "bfloat16"} and s["learning_rate"] == 1e-6
-    )
+        s["bf16"] is True and s["model_init_kwargs"] == {"dtype": "float32"} and s["learning_rate"] == 1e-6
+    )  # float32 parameters under bf16 autocast, as Relay's FSDP2 mixed precision
     with pytest.raises(ValueError, match="--micro 12 must divide the 128 completions"):
         gpu_settings(gpu_cfg, 12)
 
@@ -201,3 +202,66 @@ def test_trl_step_points_and_the_two_ratios(tmp_path):
     assert with_ratios({"relay": relay}) == {"relay": relay}  # TRL has not run yet
     nan = {"trl": {"tokens_per_s": 200.0, "steady_tokens_per_s": float("nan")}, "relay": relay}
     assert "steady_ratio" not in with_ratios(nan) and with_ratios(nan)["ratio"]["value"] == 1.5
+
+
+def test_the_real_model_job_maps_to_trl_with_its_warm_up_and_natural_lengths():
+    from bench.peers.trl_vs_relay_real import PRESET, relay_overrides, resolved, trl_grpo
+
+    cfg = resolved(relay_overrides(Path("/tmp/w"), 60, []))
+    assert PRESET == "gsm8k" and cfg["algorithm"]["mode"] == "fully_async"  # the recipes differ on purpose
+    g = trl_grpo(cfg, "/tmp/out", 32, 0.5)
+    assert g["lr_scheduler_type"] == "constant_with_warmup" and g["warmup_steps"] == 5
+    assert g["learning_rate"] == 1e-5 and g["max_completion_length"] == 512 and g["max_steps"] == 60
+    assert "generation_kwargs" not in g  # responses end at EOS
+    assert (
+        g["generation_batch_size"],
+        g["per_device_train_batch_size"],
+        g["gradient_accumulation_steps"],
+    ) == (
+        256,
+        32,
+        8,
+    )
+    assert g["vllm_gpu_memory_utilization"] == 0.5 and g["vllm_max_model_length"] == 1024
+    assert g["bf16"] is True and g["model_init_kwargs"] == {"dtype": "float32"}
+    cfg["algorithm"]["kl_coef"] = 0.1  # a setting outside the recipes' differences is still refused
+    with pytest.raises(SystemExit, match="algorithm.kl_coef"):
+        trl_grpo(cfg, "/tmp/out", 32, 0.5)
+
+
+def test_time_to_threshold_without_the_validations_before_it():
+    from bench.peers.trl_vs_relay_real import threshold_train_s
+
+    metrics = [
+        {"step": 0, "time": 110.0, "val/reward": 0.1, "timing/val_s": 10.0},
+        {"step": 5, "time": 150.0, "reward/mean": 0.2},
+        {"step": 10, "time": 200.0, "val/reward": 0.3, "timing/val_s": 5.0},
+        {"step": 20, "time": 300.0, "val/reward": 0.45, "timing/val_s": 6.0},
+        {"step": 30, "time": 400.0, "val/reward": 0.5, "timing/val_s": 6.0},
+    ]
+    assert threshold_train_s(metrics, 100.0, 0.4) == pytest.approx(300 - 100 - (10 + 5 + 6))
+    assert threshold_train_s(metrics, 100.0, 0.9) is None
+
+
+def test_trl_runs_reward_scores_chat_completions_with_relays_reward_and_sub_scores():
+    from bench.peers.trl_run import RewardCounter, response_text, scored
+
+    assert response_text("plain") == "plain"
+    assert response_text([{"role": "assistant", "content": "#### 7"}]) == "#### 7"
+    counter = RewardCounter("gsm8k_shaped")
+    assert counter.__name__ == "gsm8k_shaped"
+    completions = [
+        [{"role": "assistant", "content": "3 + 4 = 7 #### 7"}],  # strict
+        [{"role": "assistant", "content": "so 7"}],  # the last number
+        [{"role": "assistant", "content": "#### 8"}],  # the format alone
+    ]
+    scores = counter([None] * 3, completions, [[1, 2], [3], [4, 5, 6]], ["#### 7"] * 3)
+    assert scores == [1.0, 0.8, 0.1]
+    assert counter.take() == (6, pytest.approx(1.9 / 3)) and counter.take() == (0, 0.0)
+    assert scored(RewardCounter().fn, "4", "4") == {"score": 1.0}  # exact_match returns a float
+    assert scored(counter.fn, "#### 7", "7") == {
+        "score": 1.0,
+        "strict": 1.0,
+        "flexible": 1.0,
+        "formatted": 1.0,
+    }

@@ -6,16 +6,19 @@ SETTINGS.json (written by `trl_vs_relay.py`, which also says what each setting m
     grpo      the `GRPOConfig` keyword arguments
     model     the model folder (a copy of the one Relay trains)
     train     a JSON-lines file of `{"id", "prompt", "answer"}` rows in the order Relay trained them
-    val       the validation file; its first `val_size` rows are the validation prompts
+    val       the validation file; its first `val_size` rows are the validation prompts (0: all of them)
+    reward    the name of one of Relay's built-in rewards (`app.rewards.BUILTINS`; default `exact_match`)
     val_every, max_tokens   validate every this many steps (and before the first and after the last)
     metrics   where to append the run's metrics, one JSON line per call, in the layout of Relay's
               `metrics.jsonl` (`{"step", "time", ...}`): a step's `reward/mean` and `tokens` (response tokens
               trained), a validation's `val/reward` and `timing/val_s`
     final     where the final model is saved (Relay saves its final weights too)
 
-The validation is the bench's own `TrainerCallback`: greedy answers (HF `generate`, `do_sample=False`, at most
-`max_tokens` tokens) to the validation prompts, scored with Relay's `exact_match`, as Relay's validation
-(vLLM at temperature 0). The last line on stdout is `RESULT {json}` with `loop_s` (from the end of the first
+A row's prompt is a string (encoded without special tokens, as Relay) or chat messages (TRL and Relay both
+apply the tokenizer's chat template with the generation prompt). The validation is the bench's own
+`TrainerCallback`: greedy answers (HF `generate`, `do_sample=False`, at most `max_tokens` tokens) to the
+validation prompts, scored with the same reward, as Relay's validation (vLLM at temperature 0); a reward's
+sub-scores (`strict`, ...) are logged beside it as `val/sub/NAME`, as Relay logs them. The last line on stdout is `RESULT {json}` with `loop_s` (from the end of the first
 validation to the end of the last optimizer step, validations within it included, as Relay's `loop_s`) and
 `trained_tokens` (the response tokens of every trained completion, EOS included, as Relay counts them).
 """
@@ -31,9 +34,28 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app.rewards import exact_match
+from app.rewards import BUILTINS, RewardFn
 
 log = logging.getLogger("bench.peers.trl")
+
+
+def scored(fn: RewardFn, response: str, answer: str) -> dict[str, float]:
+    """`fn`'s value for one response as `{"score": s, **sub-scores}` (a built-in returns a float or such a
+    dict)."""
+    value = fn(response, answer)
+    return dict(value) if isinstance(value, dict) else {"score": float(value)}
+
+
+def response_text(completion: Any) -> str:
+    """A TRL completion's text: the string itself, or the content of a conversational one's last message."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def prompt_ids(tok: Any, prompt: str | list[dict]) -> list[int]:
+    """The prompt's token ids as Relay renders them (app.rollout.prompt_files.render_prompt)."""
+    from app.rollout.prompt_files import PromptRow, render_prompt
+
+    return render_prompt(PromptRow(uid="", prompt=prompt, answer="", data_source="", index=0), tok)
 
 
 class Metrics:
@@ -48,18 +70,18 @@ class Metrics:
 
 
 class RewardCounter:
-    """Relay's exact-match reward as a TRL reward function (`answer` is the dataset's column), counting the
-    response tokens and rewards of the completions it scores, until `take()`."""
+    """One of Relay's built-in rewards as a TRL reward function (`answer` is the dataset's column), counting
+    the response tokens and rewards of the completions it scores, until `take()`."""
 
-    __name__ = "exact_match"  # TRL names a reward function's metrics after it
-
-    def __init__(self) -> None:
+    def __init__(self, name: str = "exact_match") -> None:
+        self.fn, self.__name__ = BUILTINS[name], name  # TRL names a reward function's metrics after it
         self.tokens, self.rewards = 0, []
 
     def __call__(
         self, prompts: list, completions: list, completion_ids: list, answer: list, **_: Any
     ) -> list:
-        scores = [exact_match(c, a) for c, a in zip(completions, answer, strict=True)]
+        texts = [response_text(c) for c in completions]
+        scores = [scored(self.fn, t, a)["score"] for t, a in zip(texts, answer, strict=True)]
         self.tokens += sum(len(ids) for ids in completion_ids)
         self.rewards += scores
         return scores
@@ -70,11 +92,14 @@ class RewardCounter:
         return tokens, sum(rewards) / max(1, len(rewards))
 
 
-def greedy_reward(model: Any, tok: Any, rows: list[dict], max_tokens: int) -> float:
-    """Mean exact-match reward of greedy answers (at most `max_tokens` tokens, cut at EOS) to `rows`."""
+def greedy_reward(
+    model: Any, tok: Any, rows: list[dict], max_tokens: int, fn: RewardFn = BUILTINS["exact_match"]
+) -> dict[str, float]:
+    """Mean reward `fn` of greedy answers (at most `max_tokens` tokens, cut at EOS) to `rows`: `{"score":
+    mean, **mean of each sub-score}`."""
     import torch
 
-    ids = [tok.encode(r["prompt"], add_special_tokens=False) for r in rows]
+    ids = [prompt_ids(tok, r["prompt"]) for r in rows]
     width = max(map(len, ids))
     x = torch.full((len(ids), width), tok.pad_token_id)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -93,12 +118,13 @@ def greedy_reward(model: Any, tok: Any, rows: list[dict], max_tokens: int) -> fl
             pad_token_id=tok.pad_token_id,
         )
     model.train(was_training)
-    score = 0.0
+    totals: dict[str, float] = {}
     for completion, r in zip(out[:, width:].tolist(), rows, strict=True):
         if tok.eos_token_id in completion:
             completion = completion[: completion.index(tok.eos_token_id) + 1]
-        score += exact_match(tok.decode(completion, skip_special_tokens=True), r["answer"])
-    return score / len(rows)
+        for k, v in scored(fn, tok.decode(completion, skip_special_tokens=True), r["answer"]).items():
+            totals[k] = totals.get(k, 0.0) + v
+    return {k: v / len(rows) for k, v in totals.items()}
 
 
 def make_callback(metrics: Metrics, counter: RewardCounter, val_rows: list[dict], settings: dict) -> Any:
@@ -115,8 +141,10 @@ def make_callback(metrics: Metrics, counter: RewardCounter, val_rows: list[dict]
 
         def validate(self, model: Any, tok: Any, step: int) -> None:
             t0 = time.perf_counter()
-            reward = greedy_reward(model, tok, val_rows, max_tokens)
-            metrics.append(step, {"val/reward": reward, "timing/val_s": time.perf_counter() - t0})
+            means = greedy_reward(model, tok, val_rows, max_tokens, counter.fn)
+            reward = means.pop("score")
+            subs = {f"val/sub/{k}": v for k, v in means.items()}
+            metrics.append(step, {"val/reward": reward, **subs, "timing/val_s": time.perf_counter() - t0})
             self.first = reward if self.first is None else self.first
             self.last = reward
             log.info("validation after step %d: reward %.3f", step, reward)
@@ -155,7 +183,7 @@ def main(settings_path: str) -> int:
 
     train = [{k: r[k] for k in ("id", "prompt", "answer")} for r in read_rows(settings["train"])]
     val_rows = read_rows(settings["val"], settings["val_size"])
-    counter, metrics = RewardCounter(), Metrics(settings["metrics"])
+    counter, metrics = RewardCounter(settings.get("reward", "exact_match")), Metrics(settings["metrics"])
     callback = make_callback(metrics, counter, val_rows, settings)
     trainer = GRPOTrainer(
         model=settings["model"],
@@ -164,10 +192,11 @@ def main(settings_path: str) -> int:
         train_dataset=Dataset.from_list(train),
         callbacks=[callback],
     )
-    prompt_ids = trainer.processing_class(text=[train[0]["prompt"]])["input_ids"][0]
-    relay_ids = trainer.processing_class.encode(train[0]["prompt"], add_special_tokens=False)
-    if list(prompt_ids) != list(relay_ids):  # TRL tokenizes with special tokens, Relay without
-        raise RuntimeError(f"TRL's prompt tokens {prompt_ids} differ from Relay's {relay_ids}")
+    if isinstance(train[0]["prompt"], str):  # TRL tokenizes a string with special tokens, Relay without
+        trl_ids = trainer.processing_class(text=[train[0]["prompt"]])["input_ids"][0]
+        relay_ids = prompt_ids(trainer.processing_class, train[0]["prompt"])
+        if list(trl_ids) != relay_ids:
+            raise RuntimeError(f"TRL's prompt tokens {trl_ids} differ from Relay's {relay_ids}")
     trainer.train()
     trainer.save_model(settings["final"])
     result = {

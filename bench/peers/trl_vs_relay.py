@@ -151,7 +151,10 @@ def trl_settings(cfg: dict[str, Any], out_dir: str) -> dict[str, Any]:
         "max_steps": t["steps"],
         "seed": t["seed"],
         # the model and its arithmetic
-        "model_init_kwargs": {"dtype": cfg["model"]["dtype"]},  # TRL loads float32 unless told
+        # Relay keeps float32 parameters and, with model.dtype=bfloat16, computes in bf16 (FSDP2's mixed
+        # precision): TRL likewise with a float32 model under bf16 autocast. A model loaded in bf16 would
+        # train pure bf16, where AdamW's steps at lr 1e-5 round away.
+        "model_init_kwargs": {"dtype": "float32"},
         "bf16": cfg["model"]["dtype"] == "bfloat16",  # TRL's default bf16=True autocasts a float32 model
         "fp16": False,
         "gradient_checkpointing": t["activation_checkpointing"],  # TRL's default: on
