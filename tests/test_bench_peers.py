@@ -265,3 +265,11 @@ def test_trl_runs_reward_scores_chat_completions_with_relays_reward_and_sub_scor
         "flexible": 1.0,
         "formatted": 1.0,
     }
+
+
+def test_the_real_model_bench_takes_built_in_tasks_only():
+    from bench.peers.trl_vs_relay_real import relay_overrides, resolved, task
+
+    cfg = resolved(relay_overrides(Path("/tmp/w"), 60, ["data.train=/data/train.jsonl"]))
+    with pytest.raises(SystemExit, match="data.train='/data/train.jsonl': this bench takes one of"):
+        task(cfg)

@@ -5,7 +5,7 @@ to a validation reward, the curve, trained tokens per second and memory. One JSO
     python bench/peers/trl_vs_relay_real.py --system relay > relay.out       # python -m app train --config gsm8k
     python bench/peers/trl_vs_relay_real.py --system trl --with relay.out    # TRL on the same job; both + ratios
 
-Each system runs in a call of its own (about 6 minutes each on an H200); TRL's call needs Relay's line, which
+Each system runs in a command of its own (7-8 minutes each on an H200); TRL's call needs Relay's line, which
 holds the order Relay trained the prompts in. `--with` adds the earlier line, and the last line then holds
 both systems and `ratios` (Relay's figure over TRL's, as bench/peers/trl_vs_relay.py's).
 
@@ -152,9 +152,15 @@ def real_figures(fin: Finished, metrics: list[dict[str, Any]], args: argparse.Na
 
 
 def run_relay(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """`python -m app train --config gsm8k` measured: its figures and the order it trained the prompts in."""
+    """`python -m app train --config gsm8k` measured (the model and task built before): its figures and the
+    order it trained the prompts in."""
+    from app.tasks import model_folder
+
     overrides = relay_overrides(work, args.steps, args.overrides)
     cfg = resolved(overrides)
+    cache, seed = cfg["model"]["cache_dir"], cfg["seed"]
+    model_folder(cfg["model"]["path"], cache, seed)  # built (converted) before the clock starts, as TRL's
+    task(cfg)
     cmd = [sys.executable, "-m", "app", "train", "--config", PRESET, *overrides]
     log.info("Relay: %s", " ".join(cmd[1:]))
     with GpuSampler() as gpu:
@@ -163,6 +169,16 @@ def run_relay(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     metrics = read_metrics((run_dir / "metrics.jsonl").read_text())
     order = trained_order(run_dir / "trained_groups.jsonl", args.steps, cfg["train"]["batch_groups"])
     return {**rounded(real_figures(fin, metrics, args, gpu.peak)), "order": order}
+
+
+def task(cfg: dict[str, Any]) -> Path:
+    """The folder (train.jsonl, val.jsonl) of the config's built-in task, built on first use."""
+    from app.tasks import TASKS, task_folder
+
+    spec = cfg["data"]["train"]
+    if spec not in TASKS or cfg["data"]["val"] != spec:
+        raise SystemExit(f"data.train={spec!r}: this bench takes one of {sorted(TASKS)} for train and val")
+    return task_folder(spec, cfg["model"]["cache_dir"], cfg["seed"])
 
 
 def trl_grpo(cfg: dict[str, Any], out_dir: str, micro: int, share: float) -> dict[str, Any]:
@@ -185,15 +201,15 @@ def trl_grpo(cfg: dict[str, Any], out_dir: str, micro: int, share: float) -> dic
 def trl_job(args: argparse.Namespace, work: Path, order: list[str]) -> Path:
     """Write TRL's settings (and its train rows in Relay's order); returns the settings file."""
     from app.rewards import BUILTINS
-    from app.tasks import model_folder, task_folder
+    from app.tasks import model_folder
 
     cfg = resolved(relay_overrides(work, args.steps, args.overrides))
     reward, cache = cfg["reward"]["fn"], cfg["model"]["cache_dir"]
     if reward not in BUILTINS:
         raise SystemExit(f"reward.fn={reward!r}: this bench takes one of Relay's built-in rewards")
-    task = task_folder(cfg["data"]["train"], cache, cfg["seed"])
+    folder = task(cfg)
     rows = {}
-    for line in (task / "train.jsonl").read_text().splitlines():
+    for line in (folder / "train.jsonl").read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
             rows[rec["id"]] = rec
@@ -203,7 +219,7 @@ def trl_job(args: argparse.Namespace, work: Path, order: list[str]) -> Path:
         "grpo": trl_grpo(cfg, str(work / "trl-out"), args.micro, args.vllm_share),
         "model": str(model_folder(cfg["model"]["path"], cache, cfg["seed"])),
         "train": str(ordered),
-        "val": str(task / "val.jsonl"),
+        "val": str(folder / "val.jsonl"),
         "val_size": cfg["data"]["val_size"],
         "val_every": cfg["algorithm"]["val_every"],
         "max_tokens": cfg["rollout"]["max_tokens"],
