@@ -117,6 +117,7 @@ if TYPE_CHECKING:
     from app.vllm.adapters import Adapter
 
 log = logging.getLogger("app.sync")  # the replica's end
+ENGINE_DIED = "its vLLM engine died"  # the hub's drop reason of a replica whose engine died
 train_log = logging.getLogger("app.train")  # the trainer's end
 
 
@@ -441,12 +442,17 @@ class ReplicaSync:
                 raise RuntimeError(f"weight-sync loop of replica {self.replica_id} stopped: {exc!r}")
 
     async def stop(self) -> None:
-        """Leave the weight group cleanly (finishing a push already announced to this replica)."""
+        """Leave the weight group cleanly (finishing a push already announced to this replica). A replica
+        whose engine died is dropped with that reason instead: Serve stopping it after its failed health
+        check can come before its own drop reached the hub, and a clean leave would hide why it went."""
         self.leaving = True
         try:
-            await self.control.detach(5)
-            await asyncio.wait_for(self.hub.leave.remote(self.replica_id), timeout=5)
-            await asyncio.wait_for(asyncio.shield(self.tasks[0]), timeout=20)
+            if not await self._engine_alive():
+                await asyncio.wait_for(self.hub.drop.remote([self.replica_id], ENGINE_DIED), timeout=10)
+            else:
+                await self.control.detach(5)
+                await asyncio.wait_for(self.hub.leave.remote(self.replica_id), timeout=5)
+                await asyncio.wait_for(asyncio.shield(self.tasks[0]), timeout=20)
         except Exception as e:  # the hub is gone (end of run) or a push never finished
             log.info("replica %s: leaving without the hub's goodbye: %r", self.replica_id, e)
         for t in self.tasks:
@@ -467,9 +473,7 @@ class ReplicaSync:
                 "replica %s: %s; leaving the weight group for Serve to replace it", self.replica_id, self.dead
             )
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    self.hub.drop.remote([self.replica_id], "its vLLM engine died"), timeout=10
-                )
+                await asyncio.wait_for(self.hub.drop.remote([self.replica_id], ENGINE_DIED), timeout=10)
             with contextlib.suppress(Exception):
                 await self.control.detach(10)
         return False

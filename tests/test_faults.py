@@ -91,6 +91,27 @@ def test_dead_engine_fails_health_and_leaves_the_group_at_once():
     asyncio.run(scenario())
 
 
+def test_replica_stopped_after_its_engine_died_is_dropped_with_the_reason():
+    """Serve stops a replica whose health check failed, and that stop can reach the hub before the
+    replica's own drop did (its weights loop waits on a long poll): it is recorded as dropped because its
+    engine died, never as a clean leave."""
+    from app.sync import ENGINE_DIED
+
+    async def scenario() -> None:
+        hub = WeightHub()
+        eng = _Engine()
+        sync = ReplicaSync(eng, "r1", hub=_Remote(hub), control=None, poll_s=30.0)
+        sync.started = time.time()
+        await sync.start(join_timeout_s=5)
+        assert hub.members["r1"].alive
+        eng.errored = True  # the EngineCore process was killed; no check has run since
+        await sync.stop()
+        m = hub.members["r1"]
+        assert not m.alive and m.dropped == ENGINE_DIED and not m.leaving, m
+
+    asyncio.run(scenario())
+
+
 def test_push_budget_fits_the_trainer_collective_timeout():
     """A push retries for a time, not a count; one more attempt after the budget still ends before the
     other trainer ranks' collective timeout (train.timeout_s + sync.timeout_s + 60)."""

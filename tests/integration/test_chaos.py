@@ -108,9 +108,9 @@ def test_dead_engine_and_dead_replica_actor_lose_nothing(ray_cluster, cache_dir,
         t["actor_version"], t["actor_at"] = st["version"], time.time()
         os.kill(pids[1], signal.SIGKILL)  # fault 2: the other replica's actor process dies
         # (back to back: a fast CPU run must not drain the data with one replica before the second fault)
-        wait_for(
+        wait_for(  # (why each left, dropped rather than a clean leave, is checked on the run's record)
             "both victims to leave the weight group",
-            lambda: all((m := hub_status(NAME)["members"])[i]["dropped"] for i in ids) and m,
+            lambda: not any((m := hub_status(NAME)["members"])[i]["alive"] for i in ids) and m,
             proc,
             log_path,
             timeout=120,
