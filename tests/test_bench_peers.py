@@ -204,6 +204,19 @@ def test_trl_step_points_and_the_two_ratios(tmp_path):
     assert "steady_ratio" not in with_ratios(nan) and with_ratios(nan)["ratio"]["value"] == 1.5
 
 
+def test_a_relay_run_with_overrides_is_its_own_entry_beside_the_plain_mode():
+    from bench.peers.trl_vs_relay_gpu import entry_name, with_ratios
+
+    assert entry_name("sync", []) == "sync"
+    key = entry_name("sync", ["rollout.behaviour_logprobs=trainer", "rollout.max_num_seqs=512"])
+    assert key == "sync+rollout.behaviour_logprobs=trainer,rollout.max_num_seqs=512"
+    relay = {"sync": {"tokens_per_s": 300.0}, key: {"tokens_per_s": 450.0}}
+    nan = float("nan")
+    relay = {m: {**r, "steady_tokens_per_s": nan} for m, r in relay.items()}
+    out = with_ratios({"relay": relay, "trl": {"tokens_per_s": 200.0, "steady_tokens_per_s": nan}})
+    assert out["ratio"] == {"mode": key, "value": 2.25}  # the ratio names the settings that won
+
+
 def test_the_real_model_job_maps_to_trl_with_its_warm_up_and_natural_lengths():
     from bench.peers.trl_vs_relay_real import PRESET, relay_overrides, resolved, trl_grpo
 

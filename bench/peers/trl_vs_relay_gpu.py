@@ -4,6 +4,10 @@ fixed-length responses, trained response tokens per second of each loop. One JSO
     python bench/peers/trl_vs_relay_gpu.py --system relay --modes sync > sync.out
     python bench/peers/trl_vs_relay_gpu.py --system relay --modes one_step_off > off.out
     python bench/peers/trl_vs_relay_gpu.py --system trl --with sync.out off.out   # + both and the ratios
+    python bench/peers/trl_vs_relay_gpu.py --system relay --modes sync rollout.behaviour_logprobs=trainer
+
+Config overrides after the flags go to Relay's every mode; its entry is then named `MODE+OVERRIDE,...` (a run
+without them stays `MODE`), so runs of one mode with other settings sit side by side under `--with`.
 
 Each system (and each Relay mode: an engine with CUDA graphs and a 1.5B trainer take 5-6 minutes) runs in a
 call of its own; each Relay run leaves a 1.5B checkpoint of about 20 GB under runs/bench_async_speedup, which a
@@ -87,12 +91,18 @@ def run_relay(args: argparse.Namespace) -> dict[str, Any]:
         f"--cache-dir={args.cache_dir}",
         "rollout.cuda_graphs=true",  # the GPU presets' setting (TRL's vLLM captures graphs by default)
         *OVERRIDES,
+        *args.overrides,  # last: they win
     ]
     out = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, check=True).stdout
     line = [ln for ln in out.splitlines() if ln.startswith("{")][-1]
     modes = json.loads(line)["modes"]
     keep = ("steps", "trained_tokens", "loop_s", "tokens_per_s", "steady_tokens_per_s")
-    return {m: {k: r[k] for k in keep} for m, r in modes.items()}
+    return {entry_name(m, args.overrides): {k: r[k] for k in keep} for m, r in modes.items()}
+
+
+def entry_name(mode: str, overrides: list[str]) -> str:
+    """A Relay run's key in the summary: its mode, and the config overrides it ran with beyond the bench's."""
+    return "+".join([mode, ",".join(overrides)]) if overrides else mode
 
 
 def gpu_settings(cfg: dict[str, Any], micro: int) -> dict[str, Any]:
@@ -194,6 +204,9 @@ def main() -> None:
     ap.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "relay-models"))
     ap.add_argument("--cache-dir", default=".cache/relay")
     ap.add_argument("--with", dest="earlier", nargs="*", default=[], metavar="FILE")
+    ap.add_argument(
+        "overrides", nargs="*", help="Relay's config overrides, e.g. rollout.behaviour_logprobs=trainer"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     summary: dict[str, Any] = {"bench": "trl_vs_relay_gpu", **{k: getattr(args, k) for k in SAME}}
