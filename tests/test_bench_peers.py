@@ -210,9 +210,11 @@ def test_a_relay_run_with_overrides_is_its_own_entry_beside_the_plain_mode():
     assert entry_name("sync", []) == "sync"
     key = entry_name("sync", ["rollout.behaviour_logprobs=trainer", "rollout.max_num_seqs=512"])
     assert key == "sync+rollout.behaviour_logprobs=trainer,rollout.max_num_seqs=512"
-    relay = {"sync": {"tokens_per_s": 300.0}, key: {"tokens_per_s": 450.0}}
-    nan = float("nan")
-    relay = {m: {**r, "steady_tokens_per_s": nan} for m, r in relay.items()}
+    nan = float("nan")  # too few steps for a steady figure: the whole-loop ratio alone
+    relay = {
+        "sync": {"tokens_per_s": 300.0, "steady_tokens_per_s": nan},
+        key: {"tokens_per_s": 450.0, "steady_tokens_per_s": nan},
+    }
     out = with_ratios({"relay": relay, "trl": {"tokens_per_s": 200.0, "steady_tokens_per_s": nan}})
     assert out["ratio"] == {"mode": key, "value": 2.25}  # the ratio names the settings that won
 
