@@ -38,6 +38,7 @@ from app.trainer.sources import SOURCES
 from app.trainer.state import RunState, restore_or_start
 from app.trainer.step_metrics import PROMETHEUS, StepTimings, step_metrics
 from app.trainer.validation import Validator
+from app.trainer.warm_up import warm_up
 from app.weights.records import PushStats
 
 log = logging.getLogger("app.train")
@@ -94,6 +95,8 @@ def begin(t: Trainer, st: RunState) -> None:
         t.source.start()
     t.monitor.start(st.restored_from["step"] if st.restored_from else None)
     st.t_run = st.t_loop_end = time.perf_counter()  # benchmarks: trained tokens per second of the loop
+    t.monitor.phase("warming up the trainer (compiling its kernels) while the first batch generates")
+    warm_up(t.learner, t.cfg.train.warm_up)  # inside the loop's time: it overlaps the first generation
 
 
 def next_batch(t: Trainer, st: RunState, more: bool) -> tuple[Batch, str | None]:

@@ -69,6 +69,10 @@ class TrainConfig(_Section):
     """`torch.compile` the RMSNorm and SwiGLU MLP of every decoder layer (app/trainer/compiled.py: fewer passes over
     the activations, fewer kernel launches, less memory saved for backward). `auto`: on with GPUs, off on CPU
     (compiling costs more than it saves on small CPU runs)."""
+    warm_up: Literal["auto", "on", "off"] = "auto"
+    """Run the trainer's forward and backward on two synthetic micro-batches (gradients dropped, weights
+    untouched) while the first batch is generated, so `torch.compile`'s work overlaps that generation instead
+    of delaying the first step (app/trainer/warm_up.py). `auto`: where the layers are compiled."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

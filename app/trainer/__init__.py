@@ -12,6 +12,7 @@
     losses.py        the policy-loss registry `LOSSES` (`algorithm.correction`)
     packing.py       packed micro-batches (sequences side by side, varlen attention)
     compiled.py      torch.compile of the norms and MLPs of each decoder layer
+    warm_up.py       the compiled kernels built while the first batch generates (`train.warm_up`)
     sources/         where batches come from, one `BatchSource` per `algorithm.mode` (registry `SOURCES`)
     state.py         `RunState` (the counters a checkpoint keeps) and `restore_or_start`
     step_metrics.py  the per-step metrics, a pure function

@@ -292,6 +292,12 @@ def _fused(name: str, x: torch.Tensor) -> Any:
     return fn
 
 
+def _part(t: torch.Tensor, s: int, e: int, fused: bool) -> torch.Tensor:
+    """Rows ``s:e`` of a 1-D per-row tensor; for the compiled kernels a copy (storage offset 0), as a view's offset
+    would be a guard of the compiled graph (0, then every later chunk's), one more compile per kind of offset."""
+    return t[s:e].clone() if fused else t[s:e]
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     """Target log-probs of ``hidden @ weight.T`` in chunks of rows; backward recomputes each chunk's logits.
     The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus in the loss)."""
@@ -306,7 +312,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             e = min(n, s + chunk)
             logits = _head_logits(hidden[s:e], weight)
             stats = _fused("stats", logits) if fused else _chunk_stats
-            c_lse, c_logp, c_ent = stats(logits, targets[s:e], with_entropy)
+            c_lse, c_logp, c_ent = stats(logits, _part(targets, s, e, fused), with_entropy)
             lse[s:e], logp[s:e] = c_lse, c_logp
             if c_ent is not None:
                 ent[s:e] = c_ent
@@ -331,14 +337,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             e = min(hidden.shape[0], s + ctx.chunk)
             h = hidden[s:e]
             logits = _head_logits(h, weight)
+            parts = [_part(t, s, e, ctx.fused) for t in (lse, targets, grad_logp)]
             if with_ent:
                 grad = _fused("grad_ent", logits) if ctx.fused else _chunk_grad_ent
-                g = grad(
-                    logits, lse[s:e], targets[s:e], grad_logp[s:e], ent[s:e], grad_ent[s:e], hidden.dtype
-                )
+                ents = [_part(t, s, e, ctx.fused) for t in (ent, grad_ent)]
+                g = grad(logits, *parts, *ents, hidden.dtype)
             else:
                 grad = _fused("grad", logits) if ctx.fused else _chunk_grad
-                g = grad(logits, lse[s:e], targets[s:e], grad_logp[s:e], hidden.dtype)
+                g = grad(logits, *parts, hidden.dtype)
             if grad_h is not None:
                 grad_h[s:e] = g @ weight
             if grad_w is not None:

@@ -146,6 +146,14 @@ class Learner:
         micro-batches runs zero-weight passes on a copy of one row. Metric sums stay on the device until the
         step ends (no host synchronisation inside the micro-batch loop).
         """
+        sums = self._accumulate(u)
+        grad_norm = self._optimizer_step()
+        lr = self.sched.get_last_lr()[0]
+        return update_metrics(reduce_sums(sums), grad_norm, u.tokens, self.cfg.algorithm.entropy_coef, lr)
+
+    def _accumulate(self, u: Update) -> torch.Tensor:
+        """Forward and backward of every pass of `u` (collective), gradients summed; returns the metric sums
+        (`SUMS`, then the is-weight max) as a device tensor."""
         self.model.train()
         sums = torch.zeros(len(SUMS) + 1, dtype=torch.float64, device=self.device)  # SUMS, is-weight max
         for k, (mb, weight) in enumerate(u.passes()):
@@ -155,9 +163,15 @@ class Learner:
             got = self._micro_step(mb, weight, u.tokens, u.seqs)
             sums[:-1] += got[:-1]
             sums[-1] = torch.maximum(sums[-1], got[-1])
-        grad_norm = self._optimizer_step()
-        lr = self.sched.get_last_lr()[0]
-        return update_metrics(reduce_sums(sums), grad_norm, u.tokens, self.cfg.algorithm.entropy_coef, lr)
+        return sums
+
+    def backward_only(self, mbs: list[dict[str, Any]]) -> None:
+        """The step's forward and backward passes over `mbs` (collective: the same on every rank), then the
+        gradients dropped: no optimizer or scheduler step, the weights untouched (app/trainer/warm_up.py)."""
+        tokens = float(sum(float(mb["mask"].sum()) for mb in mbs))
+        seqs = float(sum(mb["mask"].shape[0] for mb in mbs))
+        self._accumulate(Update(mbs=mbs, n_micro=len(mbs), filler=None, tokens=tokens, seqs=seqs))
+        self.opt.zero_grad(set_to_none=True)
 
     def _plan(self, rows: list[Row]) -> tuple[list[list[Row]], int]:
         """This rank's micro-batches and the number of passes every rank runs."""

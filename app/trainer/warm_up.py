@@ -1,0 +1,81 @@
+"""The compiled trainer's warm-up: its kernels compiled while the first batch is still being generated.
+
+With `train.compile` on (the GPU default), `torch.compile` builds the layers' and the chunked log-probs'
+kernels at their first forward and backward (app/trainer/compiled.py), and builds them again at the first
+micro-batch of another length, then with dynamic token dimensions. Left to the first step, that compile sits
+on the loop's critical path: the trainer only starts it once the first batch has arrived. `warm_up` runs those
+passes on two synthetic micro-batches of different lengths as soon as the mode's stream has started, so the
+compile overlaps the first batch's generation; the first real step then finds every graph built.
+
+The warm-up changes no trained state: it runs forward and backward only (every rank the same passes, as
+FSDP2's collectives need), then drops the gradients. No optimizer step, no scheduler step, no weight push.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from app.trainer.batch_tensors import Row
+
+log = logging.getLogger("app.train")
+
+PROMPT = 8  # prompt tokens of each synthetic row
+
+
+def warm_up_lengths(chunk_tokens: int) -> list[list[int]]:
+    """The response lengths of each synthetic micro-batch's rows. Two micro-batches of different lengths (and
+    row counts), so the layers' second compile, with dynamic token dimensions, happens here too; with chunked
+    log-probs (`train.logprob_chunk_tokens` > 0) one holds a full chunk and a chunk of 2 rows (the chunk
+    kernels' static, then dynamic graph), the other a full chunk and a chunk of 1 row (a size torch
+    specializes), the kinds of chunk a real micro-batch's scored tokens split into."""
+    totals = (chunk_tokens + 2, chunk_tokens + 1) if chunk_tokens > 0 else (24, 37)
+    return [_split(n, k) for n, k in zip(totals, (2, 3), strict=True)]
+
+
+def _split(n: int, k: int) -> list[int]:
+    """`n` response tokens over `k` rows (fewer where `n < k`), as evenly as possible."""
+    k = max(1, min(k, n))
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def warm_up_rows(vocab_size: int, chunk_tokens: int) -> list[list[Row]]:
+    """The rows of each synthetic micro-batch (token ids in `[2, vocab_size)`, advantage 0, with reference
+    log-probs so a KL penalty's path runs too)."""
+    if vocab_size < 3:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens is too small to warm up on")
+    out = []
+    for lengths in warm_up_lengths(chunk_tokens):
+        rows = []
+        for i, n in enumerate(lengths):
+            ids = [2 + (7 * i + k) % (vocab_size - 2) for k in range(PROMPT + n)]
+            lps = [-1.0] * n
+            rows.append(Row(ids[:PROMPT], ids[PROMPT:], lps, 0.0, [0] * n, ref_logprobs=list(lps)))
+        out.append(rows)
+    return out
+
+
+def wants_warm_up(learner: Any, setting: str) -> bool:
+    """`train.warm_up`: `auto` warms up a trainer whose layers are compiled, `on` any trainer, `off` none."""
+    return setting == "on" or (setting == "auto" and bool(getattr(learner.model, "relay_compiled", False)))
+
+
+def warm_up(learner: Any, setting: str = "auto") -> float:
+    """Run `learner`'s forward and backward on the synthetic micro-batches and drop the gradients
+    (collective: every rank calls it); returns the seconds taken (0.0 where `setting` skips it)."""
+    if not wants_warm_up(learner, setting):
+        return 0.0
+    t0 = time.perf_counter()
+    vocab = int(learner.model.config.vocab_size)
+    chunk = int(learner.cfg.train.logprob_chunk_tokens)
+    mbs = [learner.collate(rows) for rows in warm_up_rows(vocab, chunk)]
+    learner.backward_only(mbs)
+    took = time.perf_counter() - t0
+    log.log(
+        logging.INFO if learner.rank == 0 else logging.DEBUG,
+        "trainer warmed up in %.1fs (%d compiled forward/backward passes)",
+        took,
+        len(mbs),
+    )
+    return took
