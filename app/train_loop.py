@@ -92,7 +92,7 @@ def begin(t: Trainer, st: RunState) -> None:
         t.bar = progress_bar(total=t.cfg.train.steps, desc="relay train")
         if st.step:
             t.bar.update(st.step)
-        t.source.start()
+        t.source.start(more=st.step < t.cfg.train.steps)
     t.monitor.start(st.restored_from["step"] if st.restored_from else None)
     st.t_run = st.t_loop_end = time.perf_counter()  # benchmarks: trained tokens per second of the loop
     t.monitor.phase("warming up the trainer (compiling its kernels) while the first batch generates")

@@ -23,7 +23,11 @@ class BatchSource(Protocol):
     # the optional metric families (app/trainer/step_metrics.py FAMILIES) that mean something in this mode
     metric_families: frozenset[str]
 
-    def start(self) -> None: ...
+    def start(self, more: bool) -> None:
+        """Once, before the loop; `more`: the loop trains at least one step (not so for a run restored at its
+        last step). Where a mode generates batch by batch, the first batch starts generating here, so it
+        overlaps the trainer's warm-up (app/trainer/warm_up.py)."""
+        ...
 
     def next_batch(self, version: int, more: bool) -> Batch:
         """The batch to train weights `version` on; `more`: whether another will be asked for after it."""
@@ -61,7 +65,7 @@ class RolloutSource:
         self.rollouter = actors.rollouter
         self.groups = cfg.train.batch_groups
 
-    def start(self) -> None:
+    def start(self, more: bool) -> None:
         return None
 
     def next_batch(self, version: int, more: bool) -> Batch:

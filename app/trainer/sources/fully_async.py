@@ -11,7 +11,7 @@ from app.trainer.validation import Validator
 class FullyAsyncSource(RolloutSource):
     metric_families = frozenset({"overlap", "partial"})
 
-    def start(self) -> None:
+    def start(self, more: bool) -> None:  # the stream runs whatever `more`
         import ray
 
         ray.get(self.rollouter.start_stream.remote(), timeout=60)

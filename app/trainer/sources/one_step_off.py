@@ -21,6 +21,10 @@ class OneStepOffSource(RolloutSource):
         self.ready: Any = None  # a finished next batch whose successor `on_push` already started
         self.follow_on = False  # whether the loop asks for another batch after the next one
 
+    def start(self, more: bool) -> None:
+        if more:  # batch 1, with the weights just pushed
+            self.pending = self.rollouter.generate_batch.remote(self.groups)
+
     def next_batch(self, version: int, more: bool) -> Batch:
         if self.ready is not None:  # its successor went out right after the last push
             ref, self.ready = self.ready, None
