@@ -7,26 +7,35 @@ import torch
 
 from app.config import load_config
 from app.trainer.learner import Learner
-from app.trainer.warm_up import wants_warm_up, warm_up, warm_up_rows
+from app.trainer.warm_up import PROMPT, wants_warm_up, warm_up, warm_up_lengths, warm_up_rows
 from tests.test_packed_step import VARIANTS, VOCAB, _batch, _model_dir
 
 
-@pytest.mark.parametrize("chunk", [0, 3, 1024])
-def test_warm_up_rows_two_lengths_in_vocabulary(chunk):
-    mbs = warm_up_rows(VOCAB, chunk)
-    assert len(mbs) == 2
-    totals = [sum(len(r.response_ids) for r in rows) for rows in mbs]
-    assert len(set(totals)) == 2  # two lengths: the second compile (dynamic token dimensions) happens here
+@pytest.mark.parametrize(("chunk", "budget", "max_response"), [(0, 64, 8), (3, 20, 8), (1024, 16384, 1024)])
+def test_warm_up_lengths_fill_a_pass_and_end_in_both_kinds_of_chunk(chunk, budget, max_response):
+    lengths = warm_up_lengths(chunk, budget, max_response)
+    assert len(lengths) == 2 and all(0 < n <= max_response for mb in lengths for n in mb)
+    totals = [sum(mb) for mb in lengths]
+    assert totals[0] != totals[1]  # two lengths: the compiled graphs turn dynamic here, not in a real step
+    used = [n + PROMPT * len(mb) for n, mb in zip(totals, lengths, strict=True)]
+    assert used[0] <= budget and used[0] > budget - chunk - PROMPT * 2 - max_response  # about a full pass
     if chunk:  # a full chunk, then a last chunk of 2 rows in one, of 1 row in the other
-        assert sorted(n % chunk for n in totals) == [1, 2] and min(totals) > chunk
+        assert [n % chunk for n in totals] == [2, 1] and min(totals) > chunk
+    if chunk == 1024:
+        assert totals == [15 * 1024 + 2, 7 * 1024 + 1]
+
+
+def test_warm_up_rows_in_vocabulary_with_reference_logprobs():
+    mbs = warm_up_rows(VOCAB, [[5, 3], [4]])
+    assert [[len(r.response_ids) for r in rows] for rows in mbs] == [[5, 3], [4]]
     for rows in mbs:
         for r in rows:
             ids = r.prompt_ids + r.response_ids
-            assert min(ids) >= 2 and max(ids) < VOCAB
+            assert len(r.prompt_ids) == PROMPT and min(ids) >= 2 and max(ids) < VOCAB
             assert r.advantage == 0.0 and r.ref_logprobs == r.behaviour_logprobs
-            assert len(r.behaviour_logprobs) == len(r.response_ids) > 0
+            assert len(r.behaviour_logprobs) == len(r.response_ids)
     with pytest.raises(ValueError, match="too small"):
-        warm_up_rows(2, chunk)
+        warm_up_rows(2, [[1]])
 
 
 def _state(learner: Learner) -> dict[str, torch.Tensor]:

@@ -24,31 +24,52 @@ log = logging.getLogger("app.train")
 PROMPT = 8  # prompt tokens of each synthetic row
 
 
-def warm_up_lengths(chunk_tokens: int) -> list[list[int]]:
-    """The response lengths of each synthetic micro-batch's rows. Two micro-batches of different lengths (and
-    row counts), so the layers' second compile, with dynamic token dimensions, happens here too; with chunked
-    log-probs (`train.logprob_chunk_tokens` > 0) one holds a full chunk and a chunk of 2 rows (the chunk
-    kernels' static, then dynamic graph), the other a full chunk and a chunk of 1 row (a size torch
-    specializes), the kinds of chunk a real micro-batch's scored tokens split into."""
-    totals = (chunk_tokens + 2, chunk_tokens + 1) if chunk_tokens > 0 else (24, 37)
-    return [_split(n, k) for n, k in zip(totals, (2, 3), strict=True)]
+def warm_up_lengths(chunk_tokens: int, budget: int, max_response: int) -> list[list[int]]:
+    """The response lengths of each synthetic micro-batch's rows (each at most `max_response`).
+
+    Two micro-batches of different lengths (and row counts): the first as long as a real pass may be (about
+    `budget` tokens, prompts included: torch's compiled graphs guard on a range of lengths around the ones they
+    were traced at, so a warm-up at short lengths would leave a real pass to compile again), the second about
+    half that. With chunked log-probs (`chunk_tokens` > 0) the first ends in a chunk of 2 rows, the second in
+    a chunk of 1 (a size torch specializes): the kinds of chunk a real pass's scored tokens split into."""
+    if chunk_tokens <= 0:
+        return [
+            _rows_of(_fit(budget, 1, 0, max_response), max_response),
+            _rows_of(_fit(budget // 2, 1, 1, max_response), max_response),
+        ]
+    return [
+        _rows_of(_fit(budget, chunk_tokens, 2, max_response), max_response),
+        _rows_of(_fit(budget // 2, chunk_tokens, 1, max_response), max_response),
+    ]
 
 
-def _split(n: int, k: int) -> list[int]:
-    """`n` response tokens over `k` rows (fewer where `n < k`), as evenly as possible."""
-    k = max(1, min(k, n))
+def _fit(budget: int, chunk: int, rest: int, max_response: int) -> int:
+    """The most response tokens `k * chunk + rest` (k >= 1) whose rows, prompts included, fit `budget`."""
+    k = 1
+    while _tokens((k + 1) * chunk + rest, max_response) <= budget:
+        k += 1
+    return k * chunk + rest
+
+
+def _tokens(n: int, max_response: int) -> int:
+    return n + PROMPT * len(_rows_of(n, max_response))
+
+
+def _rows_of(n: int, max_response: int) -> list[int]:
+    """`n` response tokens in rows of at most `max_response`, as evenly as possible."""
+    k = max(1, -(-n // max(1, max_response)))
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
-def warm_up_rows(vocab_size: int, chunk_tokens: int) -> list[list[Row]]:
-    """The rows of each synthetic micro-batch (token ids in `[2, vocab_size)`, advantage 0, with reference
-    log-probs so a KL penalty's path runs too)."""
+def warm_up_rows(vocab_size: int, lengths: list[list[int]]) -> list[list[Row]]:
+    """The rows of each synthetic micro-batch, of `lengths` response tokens each after a prompt of `PROMPT`
+    (token ids in `[2, vocab_size)`, advantage 0, with reference log-probs so a KL penalty's path runs too)."""
     if vocab_size < 3:
         raise ValueError(f"a vocabulary of {vocab_size} tokens is too small to warm up on")
     out = []
-    for lengths in warm_up_lengths(chunk_tokens):
+    for mb in lengths:
         rows = []
-        for i, n in enumerate(lengths):
+        for i, n in enumerate(mb):
             ids = [2 + (7 * i + k) % (vocab_size - 2) for k in range(PROMPT + n)]
             lps = [-1.0] * n
             rows.append(Row(ids[:PROMPT], ids[PROMPT:], lps, 0.0, [0] * n, ref_logprobs=list(lps)))
@@ -68,8 +89,10 @@ def warm_up(learner: Any, setting: str = "auto") -> float:
         return 0.0
     t0 = time.perf_counter()
     vocab = int(learner.model.config.vocab_size)
-    chunk = int(learner.cfg.train.logprob_chunk_tokens)
-    mbs = [learner.collate(rows) for rows in warm_up_rows(vocab, chunk)]
+    t, r = learner.cfg.train, learner.cfg.rollout
+    budget = t.micro_batch_tokens if learner.packed else max(1, t.micro_batch_size) * r.max_model_len
+    lengths = warm_up_lengths(t.logprob_chunk_tokens, budget, r.max_tokens)
+    mbs = [learner.collate(rows) for rows in warm_up_rows(vocab, lengths)]
     learner.backward_only(mbs)
     took = time.perf_counter() - t0
     log.log(
