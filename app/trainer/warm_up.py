@@ -32,32 +32,29 @@ def warm_up_lengths(chunk_tokens: int, budget: int, max_response: int) -> list[l
     were traced at, so a warm-up at short lengths would leave a real pass to compile again), the second about
     half that. With chunked log-probs (`chunk_tokens` > 0) the first ends in a chunk of 2 rows, the second in
     a chunk of 1 (a size torch specializes): the kinds of chunk a real pass's scored tokens split into."""
-    if chunk_tokens <= 0:
-        return [
-            _rows_of(_fit(budget, 1, 0, max_response), max_response),
-            _rows_of(_fit(budget // 2, 1, 1, max_response), max_response),
-        ]
+    chunk, rests = (chunk_tokens, (2, 1)) if chunk_tokens > 0 else (1, (0, 1))
     return [
-        _rows_of(_fit(budget, chunk_tokens, 2, max_response), max_response),
-        _rows_of(_fit(budget // 2, chunk_tokens, 1, max_response), max_response),
+        _rows_of(_fit(share, chunk, rest, max_response), max_response)
+        for share, rest in zip((budget, budget // 2), rests, strict=True)
     ]
 
 
 def _fit(budget: int, chunk: int, rest: int, max_response: int) -> int:
     """The most response tokens `k * chunk + rest` (k >= 1) whose rows, prompts included, fit `budget`."""
     k = 1
-    while _tokens((k + 1) * chunk + rest, max_response) <= budget:
+    while (n := (k + 1) * chunk + rest) + PROMPT * _row_count(n, max_response) <= budget:
         k += 1
     return k * chunk + rest
 
 
-def _tokens(n: int, max_response: int) -> int:
-    return n + PROMPT * len(_rows_of(n, max_response))
+def _row_count(n: int, max_response: int) -> int:
+    """Rows of at most `max_response` response tokens that `n` tokens take (at least one)."""
+    return max(1, -(-n // max(1, max_response)))
 
 
 def _rows_of(n: int, max_response: int) -> list[int]:
     """`n` response tokens in rows of at most `max_response`, as evenly as possible."""
-    k = max(1, -(-n // max(1, max_response)))
+    k = _row_count(n, max_response)
     return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
 
