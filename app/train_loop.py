@@ -84,6 +84,7 @@ def begin(t: Trainer, st: RunState) -> None:
         level = logging.INFO if t.lead else logging.DEBUG  # one line a run, not one a rank
         log.log(level, "the first rollout replica registered after %.1fs", waited)
     push_version(t, st, "the first weights", notify=False)
+    more = st.step < t.cfg.train.steps  # not so for a run restored at its last step
     if t.lead:
         if st.restored_from is None or st.val_last is None:
             st.val_first = st.val_last = t.validator.run(st.version, st.step)
@@ -92,11 +93,12 @@ def begin(t: Trainer, st: RunState) -> None:
         t.bar = progress_bar(total=t.cfg.train.steps, desc="relay train")
         if st.step:
             t.bar.update(st.step)
-        t.source.start(more=st.step < t.cfg.train.steps)
+        t.source.start(more)
     t.monitor.start(st.restored_from["step"] if st.restored_from else None)
     st.t_run = st.t_loop_end = time.perf_counter()  # benchmarks: trained tokens per second of the loop
-    t.monitor.phase("warming up the trainer (compiling its kernels) while the first batch generates")
-    warm_up(t.learner, t.cfg.train.warm_up)  # inside the loop's time: it overlaps the first generation
+    if more:  # inside the loop's time: it overlaps the first generation
+        t.monitor.phase("warming up the trainer (compiling its kernels) while the first batch generates")
+        warm_up(t.learner, t.cfg.train.warm_up)
 
 
 def next_batch(t: Trainer, st: RunState, more: bool) -> tuple[Batch, str | None]:

@@ -19,5 +19,6 @@ class SyncSource(RolloutSource):
             self.first = self.rollouter.generate_batch.remote(self.groups)
 
     def next_batch(self, version: int, more: bool) -> Batch:
-        ref, self.first = self.first or self.rollouter.generate_batch.remote(self.groups), None
+        ref = self.first if self.first is not None else self.rollouter.generate_batch.remote(self.groups)
+        self.first = None
         return self.actors.get(ref, f"the rollout batch for version {version}")
