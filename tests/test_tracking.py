@@ -151,6 +151,37 @@ def test_tracker_writes_to_sqlite_in_the_background(tmp_path):
     assert all(line["time"] > 1e9 for line in lines)
 
 
+def test_metrics_of_a_fast_loop_share_one_log_batch_and_close_does_not_wait_out_the_linger(tmp_path):
+    """Steps that log within METRICS_LINGER_S of each other go to MLflow in one `log_batch` (one SQLite
+    commit), each value at its own step; a call after the flush started goes in the next one; `close`
+    writes what lingers at once."""
+    from mlflow.tracking import MlflowClient
+
+    uri = _sqlite(tmp_path)
+    t = Tracker.start(uri, "exp", "run-linger", {})
+    batches: list[list[int]] = []
+    log_batch = t.client.log_batch
+
+    def counting(run_id, metrics=(), **kw):
+        if metrics:
+            batches.append(sorted({m.step for m in metrics}))
+        return log_batch(run_id, metrics=metrics, **kw)
+
+    t.client.log_batch = counting  # type: ignore[method-assign]
+    for step in (1, 2, 3):
+        t.metrics({"loss": float(step), "reward/mean": step / 10}, step)
+    assert t.writer.wait(lambda: t.writer.pending() == 0, timeout_s=30, give_up_s=30)
+    assert batches == [[1, 2, 3]]
+    t.metrics({"loss": 4.0}, 4)
+    t0 = time.monotonic()
+    assert t.close(timeout_s=30)
+    assert time.monotonic() - t0 < tracking.METRICS_LINGER_S  # the last call did not linger
+    assert batches == [[1, 2, 3], [4]]
+    history = MlflowClient(uri).get_metric_history(t.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert t.writer.dropped == 0
+
+
 def test_one_refused_metric_drops_only_itself(tmp_path):
     from mlflow.tracking import MlflowClient
 

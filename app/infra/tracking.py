@@ -3,7 +3,9 @@
 start     before Ray starts (app/infra/tracking_store.py): the store probed, the experiment and the run created,
           or the run of a resumed run folder reopened. A failure raises TrackingError, naming the URI.
 calls     `metrics`, `tags`, `artifact`, `table`, `text`, `reward_curve` only queue the call and return at
-          once. One background thread ("relay-tracking") writes them in order. A call that fails for a
+          once. One background thread ("relay-tracking") writes them in order. Metrics linger up to
+          METRICS_LINGER_S in a buffer: the calls that arrive meanwhile go to MLflow in one `log_batch` (one
+          SQLite commit for several steps of a fast loop, not one a step); `close` writes them at once. A call that fails for a
           reason that may pass (connection, timeout, 5xx, a locked database) is retried with backoff
           (1 s doubling to 30 s) while later calls wait in the bounded queue (QUEUE_SIZE); a call the
           queue cannot take, a call not written within JOB_MAX_AGE_S, or one MLflow rejects outright is
@@ -62,6 +64,7 @@ FLUSH_TIMEOUT_S = 600.0  # a final checkpoint upload to a live server may take m
 FLUSH_GIVE_UP_S = 20.0
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 MAX_BATCH = 1000  # metrics per log_batch request
+METRICS_LINGER_S = 1.0  # the longest a metrics call waits for later ones to share its log_batch
 # errors MLflow answers for the request itself: retrying sends the same request to the same answer
 _PERMANENT = {
     "INVALID_PARAMETER_VALUE",
@@ -129,6 +132,12 @@ class _Job:
     queued_at: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
+    not_before: float = 0.0  # monotonic: the writer starts it no earlier (unless closing)
+
+    @property
+    def calls(self) -> int:
+        """The tracking calls this job writes (a metrics flush carries several), for the drop count."""
+        return int(getattr(self.fn, "calls", 1))
 
 
 class BackgroundWriter:
@@ -141,16 +150,17 @@ class BackgroundWriter:
         self.dropped = 0
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
-        self._busy = self._stopped = False
+        self._busy = self._stopped = self._hurry = False  # _hurry: closing, no job lingers
         self._give_up_s: float | None = None  # set by close: how long failures may go on
         self._failing_since: float | None = None
         self._warned_at = -math.inf
         self._thread = threading.Thread(target=self._loop, name="relay-tracking", daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, fn: Callable[[], Any]) -> _Job | None:
-        """Queue `fn` (returns at once); None where it was dropped (queue full, or closed)."""
-        job = _Job(what, fn)
+    def submit(self, what: str, fn: Callable[[], Any], linger_s: float = 0.0) -> _Job | None:
+        """Queue `fn` (returns at once), to start no sooner than `linger_s` from now unless the writer is
+        closing; None where it was dropped (queue full, or closed)."""
+        job = _Job(what, fn, not_before=time.monotonic() + linger_s)
         with self._cv:
             why = "closed" if self._stopped else "queue full" if len(self._jobs) >= self.max_jobs else ""
             if not why:
@@ -185,6 +195,7 @@ class BackgroundWriter:
                 if self._stopped:
                     return
                 job, self._busy = self._jobs.popleft(), True
+                self._linger(job.not_before)
             try:
                 self._run(job)
             finally:
@@ -192,6 +203,13 @@ class BackgroundWriter:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
+
+    def _linger(self, until: float) -> None:
+        """Hold the job just taken until `until` (monotonic), or until the writer closes (lock held)."""
+        self._cv.wait_for(
+            lambda: self._stopped or self._hurry or time.monotonic() >= until,
+            timeout=max(0.0, until - time.monotonic()),
+        )
 
     def _run(self, job: _Job) -> None:
         attempt = 0
@@ -205,7 +223,7 @@ class BackgroundWriter:
                 return
             except Exception as e:
                 if not _transient(e):
-                    self.drop(1, job.what, f"MLflow refused it: {type(e).__name__}: {e}")
+                    self.drop(job.calls, job.what, f"MLflow refused it: {type(e).__name__}: {e}")
                     return
                 attempt += 1
                 if self._failing_since is None:  # from the start of the failed call: a hung server counts
@@ -217,7 +235,7 @@ class BackgroundWriter:
                         str(e)[:300],
                     )
                 if self._stopped or self._giving_up() or time.monotonic() - job.queued_at > self.max_age_s:
-                    self.drop(1, job.what, f"not written in time: {type(e).__name__}: {str(e)[:300]}")
+                    self.drop(job.calls, job.what, f"not written in time: {type(e).__name__}: {str(e)[:300]}")
                     return
                 with self._cv:
                     self._cv.wait_for(
@@ -247,10 +265,13 @@ class BackgroundWriter:
     def close(self, timeout_s: float = FLUSH_TIMEOUT_S, give_up_s: float = FLUSH_GIVE_UP_S) -> bool:
         """Write what is queued within the deadlines, then stop; True if nothing was left unwritten."""
         self._give_up_s = give_up_s
+        with self._cv:
+            self._hurry = True
+            self._cv.notify_all()
         ok = self.wait(lambda: not self._jobs and not self._busy, timeout_s, give_up_s)
         with self._cv:
             self._stopped = True
-            left = len(self._jobs)
+            left = sum(job.calls for job in self._jobs)
             self._jobs.clear()
             self._cv.notify_all()
         if left:
@@ -287,6 +308,70 @@ class MetricsFile:
             self.failed = True
 
 
+@dataclass
+class _Calls:
+    items: list[Any] = field(default_factory=list)  # mlflow Metric entities, in call order
+    count: int = 0  # the `metrics` calls they came from
+    ts: int = 0  # the last call's time (ms) and step
+    step: int = 0
+
+
+class _MetricsFlush:
+    """The writer's job for the buffered metrics calls: it takes them from the buffer when it first runs
+    (what arrives after that goes to the next flush) and writes them in one `log_batch` per MAX_BATCH.
+    `calls` is how many calls it carries, for the writer's drop count."""
+
+    def __init__(self, buffer: _MetricsBuffer, write: Callable[[_Calls], None]) -> None:
+        self.buffer, self.write = buffer, write
+        self.taken: _Calls | None = None
+
+    @property
+    def calls(self) -> int:
+        return self.taken.count if self.taken is not None else self.buffer.count()
+
+    def take(self) -> _Calls:
+        if self.taken is None:
+            self.taken = self.buffer.take()
+        return self.taken
+
+    def __call__(self) -> None:
+        self.write(self.take())
+
+
+class _MetricsBuffer:
+    """Metrics calls waiting for their flush, at most `max_calls` of them (beyond: dropped, as a full queue
+    drops). Exactly one flush is queued while it holds calls."""
+
+    def __init__(self, max_calls: int, write: Callable[[_Calls], None]) -> None:
+        self.max_calls, self.write = max_calls, write
+        self.lock = threading.Lock()
+        self.pending = _Calls()
+        self.flush: _MetricsFlush | None = None
+
+    def add(self, items: list[Any], ts: int, step: int) -> _MetricsFlush | bool:
+        """Buffer one call's `items`: a new flush to queue (the buffer was empty), True (the flush queued
+        already takes them), or False where the buffer is full (the call is dropped: the caller counts it)."""
+        with self.lock:
+            if self.pending.count >= self.max_calls:
+                return False
+            p = self.pending
+            p.items.extend(items)
+            p.count, p.ts, p.step = p.count + 1, ts, step
+            if self.flush is not None:
+                return True
+            self.flush = _MetricsFlush(self, self.write)
+            return self.flush
+
+    def take(self) -> _Calls:
+        with self.lock:
+            calls, self.pending, self.flush = self.pending, _Calls(), None
+            return calls
+
+    def count(self) -> int:
+        with self.lock:
+            return self.pending.count
+
+
 class Tracker:
     """One MLflow run, written through a BackgroundWriter (usable from any process that knows the run id).
     With `jsonl` (the run folder's `metrics.jsonl`), every `metrics` call is also appended there as one JSON
@@ -311,6 +396,7 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=uri)
         self.names = MetricNames()
         self.writer = BackgroundWriter(uri, queue_size)
+        self._buffer = _MetricsBuffer(queue_size, lambda c: self._write_metrics(c.items, c.ts, c.step))
         self._dropped_logged = 0
         self._sysmon: Any = None
 
@@ -367,7 +453,16 @@ class Tracker:
         if self.jsonl is not None:
             self.jsonl.append(step, ts / 1000, kept)
         self.sinks.log(kept, step)
-        self.writer.submit(f"metrics of step {step}", lambda: self._write_metrics(items, ts, step))
+        flush = self._buffer.add(items, ts, step)
+        if flush is False:
+            self.writer.drop(
+                1, f"metrics of step {step}", f"{self._buffer.max_calls} calls waiting for MLflow"
+            )
+        elif (
+            flush is not True
+            and self.writer.submit(f"metrics from step {step}", flush, METRICS_LINGER_S) is None
+        ):
+            flush.take()  # not queued (closed, or the queue is full): this call alone, dropped and counted there
 
     def _write_metrics(self, items: list[Any], ts: int, step: int) -> None:
         from mlflow.entities import Metric
@@ -384,6 +479,12 @@ class Tracker:
                     raise
                 self._write_one_by_one(chunk)
         self._dropped_logged = dropped
+        if self.writer.dropped != dropped:  # metrics of this very batch refused: say so with it
+            with suppress(Exception):  # else with the next batch
+                self.client.log_batch(
+                    self.run_id, metrics=[Metric("tracking/dropped", float(self.writer.dropped), ts, step)]
+                )
+                self._dropped_logged = self.writer.dropped
 
     def _write_one_by_one(self, items: list[Any]) -> None:
         """A batch MLflow refused: each metric alone, so one it refuses drops only itself."""
