@@ -11,10 +11,11 @@ import pytest
 
 from app.config import load_config
 from app.infra.resources import ResourceError, check, demands
-from app.records import Batch, Group, Sample
+from app.records import Batch, GenerateRequest, GenerateResponse, Group, Prompt, Sample
 from app.rewards import math_reward, resolve_reward_fn
-from app.rewards.pool import STARTUP_TIMEOUT_S, RewardPool, RewardProcesses, RewardWorker
+from app.rewards.pool import FAST_REWARD_S, STARTUP_TIMEOUT_S, RewardPool, RewardProcesses, RewardWorker
 from app.rewards.styles import RewardInput
+from app.rollout import GroupGenerator
 from app.trainer.batch_metrics import batch_metrics
 
 
@@ -117,6 +118,67 @@ def test_the_reward_after_a_killed_one_runs_in_a_warm_spare():
         assert after.score == 1.0 and int(after.extras["pid"]) in warm - {procs.killed[-1]}
     finally:
         procs.close()
+
+
+def test_a_fast_rewards_samples_share_one_request_and_a_hang_among_them_keeps_the_others():
+    """`score_each`: a fast reward's samples go to one scoring process in one request, a reply each; the
+    one that hangs is killed at its own deadline, those before it keep their results and those after it
+    are scored in another process."""
+    procs = RewardProcesses("tests.test_rewards:pid_or_hang", timeout_s=1.0, on_error=-1.0)
+    try:
+        assert not procs.fast  # nothing timed yet
+        assert procs.score(sample("a", "a")).score == 1.0
+        assert procs.fast and procs.mean_s is not None and procs.mean_s < FAST_REWARD_S
+        t0 = time.monotonic()
+        got = procs.score_each([sample(r, "a") for r in ("a", "a", "hang", "a", "a")])
+        assert time.monotonic() - t0 < 1.0 + TOWER_SLACK_S
+        assert [(r.score, r.error) for r in got] == [(1.0, None)] * 2 + [(-1.0, "timeout")] + [
+            (1.0, None)
+        ] * 2
+        pids = [int(r.extras.get("pid", 0)) for r in got]
+        assert pids[0] == pids[1] == procs.killed[-1]  # the hung sample's process, killed
+        assert pids[3] == pids[4] and pids[3] not in (0, pids[0])
+    finally:
+        procs.close()
+
+
+def test_the_generator_scores_a_fast_groups_samples_together_and_a_slow_ones_at_once():
+    """rollout.group_requests: a group's samples come back together. With a fast reward (timed on the first
+    samples) the rollouter scores them in one request to one scoring process; a slow one (0.2 s a sample)
+    still scores them in parallel, a request each."""
+
+    class GroupReplica:  # the generation is a fake: n samples a request, each answering "7"
+        async def __call__(self, req: GenerateRequest) -> GenerateResponse:
+            smp = [
+                Sample(token_ids=[55], logprobs=[0.0], versions=[0], finish_reason="stop")
+                for _ in range(req.n)
+            ]
+            return GenerateResponse(samples=smp, replica="r0")
+
+    def run(fn: str) -> tuple[list[Sample], bool]:
+        cfg = load_config(None, [f"reward.fn={fn}", "reward.max_concurrency=8"])
+        pool = RewardPool(cfg.reward, "t")
+        gen = GroupGenerator(
+            GroupReplica(), lambda ids: "".join(map(chr, ids)), pool, cfg.rollout, reward=cfg.reward, seed=0
+        )
+        prompt = Prompt(uid="p", prompt_ids=[1, 2], answer="7", data_source="arith")
+
+        async def go() -> tuple[list[Sample], bool]:
+            await pool.score(sample("7", "7", "arith"))  # the reward timed on a first sample
+            return (await gen.group(prompt, seed=0)).samples, pool.fast()
+
+        try:
+            return asyncio.run(go())
+        finally:
+            pool.close()
+
+    samples, fast = run("tests.test_rewards:pid_or_hang")
+    assert fast and len(samples) == 8 and all(s.reward == 1.0 for s in samples)
+    assert len({s.reward_extras["pid"] for s in samples}) == 1  # one request, one process
+    samples, fast = run("tests.test_rewards:slow_span")
+    assert not fast and all(s.reward == 1.0 for s in samples)
+    spans = sorted((s.reward_extras["start"], s.reward_extras["end"]) for s in samples)
+    assert any(b_start < a_end for (_, a_end), (b_start, _) in itertools.pairwise(spans)), spans
 
 
 def test_worker_returns_sub_scores():

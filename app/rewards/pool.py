@@ -4,6 +4,10 @@ The rollouter sends each sample of a group as its own request; the moment one fi
 here while the rest of the group (and of the batch) is still generating, so a slow reward (compiling and
 running tests in the sandbox, a math-equivalence check) overlaps generation instead of following it.
 
+With `rollout.group_requests` a group's samples come back together: a fast reward (under FAST_REWARD_S a
+sample, timed on the run's samples) then scores them in one request to one scoring process, a reply each,
+each within its own deadline (`score_each`); a slower one scores them at once, a request each.
+
 - `reward.workers = 0`: rewards are scored from the rollouter's event loop (waited on in a thread pool).
 - `reward.workers = N`: N Ray actors (`reward.worker_cpus` logical CPUs each), each running up to
   `reward.max_concurrency` rewards at once; the pool sends each reward to the least busy worker.
@@ -74,6 +78,11 @@ _CHILD = "from app.rewards.scoring_process import child_main; child_main()"
 OUTPUT_CAP_BYTES = 4096
 """What is kept (and logged) of one reward's output, stdout and stderr together; the rest is dropped."""
 _DRAIN_READS = 16  # reads of the output pipe per drain: a reward printing without end cannot stall us
+FAST_REWARD_S = 0.01
+"""A reward whose samples take less than this (the mean of its last ones, timed in the scoring process) scores
+the samples of a group that finish together in one request to one process, a reply each: the pipe round
+trip a sample, not the reward, is then what costs. A slower one scores them in parallel, a request each."""
+_MEAN_WEIGHT = 0.2  # of the newest sample in the running mean of a reward's time
 
 
 class _Process:
@@ -202,6 +211,19 @@ class RewardProcesses:
         self.output_capped = 0  # rewards whose output was cut
         self.sources: set[str] = set()  # data sources some process has resolved: a spare resolves them all
         self.spares_pending = 0  # spares and replacements submitted to the spawner, not yet idle
+        self.mean_s: float | None = None  # the reward's running mean time a sample (None: none timed yet)
+
+    @property
+    def fast(self) -> bool:
+        """Whether samples that finish together are scored in one request (`FAST_REWARD_S`)."""
+        return self.mean_s is not None and self.mean_s < FAST_REWARD_S
+
+    def _timed(self, reply: dict[str, Any]) -> RewardResult:
+        """A sample's reply as its result; the reward's time (`elapsed_s`) goes into `mean_s`."""
+        took = float(reply.pop("elapsed_s", 0.0))
+        mean = self.mean_s
+        self.mean_s = took if mean is None else (1 - _MEAN_WEIGHT) * mean + _MEAN_WEIGHT * took
+        return RewardResult(**reply)
 
     def _pop_idle(self) -> _Process | None:
         with self.lock:
@@ -264,6 +286,44 @@ class RewardProcesses:
         within one `timeout_s`: a result per sample (the output dropped counted on the first); never raises."""
         return self._score(inps, True)
 
+    def score_each(self, inps: list[RewardInput]) -> list[RewardResult]:
+        """`inps` (of one data source) scored one after the other in one request to one process, each within
+        its own `timeout_s` from the reply before it, a result each as `score` gives; never raises. After a
+        sample that timed out, crashed or ran out of memory, the process is replaced and the samples after it
+        go to another one (those before keep their results)."""
+        results: list[RewardResult] = []
+        while len(results) < len(inps):
+            results += self._score_run(inps[len(results) :])
+        return results
+
+    def _score_run(self, inps: list[RewardInput]) -> list[RewardResult]:
+        """`score_each`'s request: the results of `inps` up to and including the first one that ended its
+        process (its error's result), or all of them."""
+        proc, results = None, []
+        try:
+            proc = self._take()
+            failed = self._resolve(proc, inps[0].data_source)
+            if failed:
+                results = [replace(failed) for _ in inps]
+            else:
+                proc.send(
+                    {
+                        "op": "score_each",
+                        "data_source": inps[0].data_source,
+                        "inputs": [asdict(i) for i in inps],
+                    }
+                )
+                for inp in inps:
+                    res = self._reply(proc, inp.data_source)
+                    res.output_dropped = self._log_output(proc)
+                    results.append(res)
+                    if res.error in ("timeout", "oom"):
+                        break
+        except (OSError, EOFError, ValueError, TypeError) as e:
+            return [*results, self._crashed(proc, e)]
+        self._retire_or_keep(proc, results)
+        return results
+
     def _score(self, inps: list[RewardInput], group: bool) -> list[RewardResult]:
         proc = None
         try:
@@ -271,15 +331,25 @@ class RewardProcesses:
             failed = self._resolve(proc, inps[0].data_source)
             results = [replace(failed) for _ in inps] if failed else self._evaluate(proc, inps, group)
         except (OSError, EOFError, ValueError, TypeError) as e:  # could not start, died, garbled reply
-            dropped = 0
-            if proc is not None:
-                dropped = self._log_output(proc)
-                proc.kill()
-            log.warning("reward process crashed (%s: %s); scoring %s", type(e).__name__, e, self.on_error)
-            detail = f"reward process died: {type(e).__name__}: {e}"
-            crash = RewardResult(self.on_error, "crash", detail)
-            return [replace(crash, output_dropped=dropped if i == 0 else 0) for i in range(len(inps))]
+            crash = self._crashed(proc, e)
+            return [crash, *[replace(crash, output_dropped=0) for _ in inps[1:]]]
         results[0].output_dropped = self._log_output(proc)
+        self._retire_or_keep(proc, results)
+        return results
+
+    def _crashed(self, proc: _Process | None, e: BaseException) -> RewardResult:
+        """The result of a process that could not start, died or garbled its reply (killed, its output
+        logged: the bytes dropped counted on the result)."""
+        dropped = 0
+        if proc is not None:
+            dropped = self._log_output(proc)
+            proc.kill()
+        log.warning("reward process crashed (%s: %s); scoring %s", type(e).__name__, e, self.on_error)
+        detail = f"reward process died: {type(e).__name__}: {e}"
+        return RewardResult(self.on_error, "crash", detail, output_dropped=dropped)
+
+    def _retire_or_keep(self, proc: _Process, results: list[RewardResult]) -> None:
+        """Kill `proc` (and replace it, in the background) after a timeout or an oom, else keep it."""
         errors = {res.error for res in results}
         if errors & {"timeout", "oom"}:  # stuck, or holding memory it may never give back
             if "timeout" in errors:
@@ -290,7 +360,6 @@ class RewardProcesses:
             self.spawner.submit(self._replace, set(proc.ready) | self.sources)
         else:
             self._give_back(proc)
-        return results
 
     def _log_output(self, proc: _Process) -> int:
         """Log what `proc` printed for its last request (up to the cap); the count of bytes dropped."""
@@ -334,19 +403,30 @@ class RewardProcesses:
             proc.send({"op": "score_group", "data_source": data_source, "inputs": [asdict(i) for i in inps]})
         else:
             proc.send({"op": "score", "data_source": data_source, "input": asdict(inps[0])})
-        wait = self.timeout_s if 0 < self.timeout_s < math.inf else math.inf
-        reply = proc.recv(time.monotonic() + wait)
+            return [self._reply(proc, data_source)]
+        reply = proc.recv(time.monotonic() + self._wait_s())
         if reply is None:
-            log.warning(
-                "reward %s timed out after %ss; killed its process %d; scoring %s",
-                self.spec,
-                self.timeout_s,
-                proc.proc.pid,
-                self.on_error,
-            )
-            detail = f"reward {self.spec!r} ({data_source}) did not return within {self.timeout_s}s"
-            return [RewardResult(self.on_error, "timeout", detail) for _ in inps]
-        return [RewardResult(**d) for d in reply["results"]] if group else [RewardResult(**reply)]
+            return [self._timed_out(proc, data_source) for _ in inps]
+        return [RewardResult(**d) for d in reply["results"]]
+
+    def _wait_s(self) -> float:
+        return self.timeout_s if 0 < self.timeout_s < math.inf else math.inf
+
+    def _reply(self, proc: _Process, data_source: str) -> RewardResult:
+        """The next sample's result from `proc`, within `timeout_s` (a timeout's result past it)."""
+        reply = proc.recv(time.monotonic() + self._wait_s())
+        return self._timed_out(proc, data_source) if reply is None else self._timed(reply)
+
+    def _timed_out(self, proc: _Process, data_source: str) -> RewardResult:
+        log.warning(
+            "reward %s timed out after %ss; killed its process %d; scoring %s",
+            self.spec,
+            self.timeout_s,
+            proc.proc.pid,
+            self.on_error,
+        )
+        detail = f"reward {self.spec!r} ({data_source}) did not return within {self.timeout_s}s"
+        return RewardResult(self.on_error, "timeout", detail)
 
     def close(self) -> None:
         self.spawner.shutdown(wait=True, cancel_futures=True)  # a spare not yet started never starts
@@ -393,6 +473,20 @@ class RewardScorer:
 
     def score(self, inp: RewardInput) -> RewardResult:
         return combine([(spec, procs.score(inp)) for spec, procs in self.parts], self.named)
+
+    def fast(self) -> bool:
+        """Whether every function is fast (`FAST_REWARD_S`): then `score_each` a group's finished samples."""
+        return all(procs.fast for _, procs in self.parts)
+
+    def score_each(self, inps: list[RewardInput]) -> list[RewardResult]:
+        """Each of `inps` (of one data source) scored by every function, one request a function
+        (`RewardProcesses.score_each`), and combined; blocks, never raises."""
+        parts = [procs.score_each(inps) for _, procs in self.parts]
+        specs = [spec for spec, _ in self.parts]
+        return [
+            combine(list(zip(specs, [p[i] for p in parts], strict=True)), self.named)
+            for i in range(len(inps))
+        ]
 
     def score_group(self, inps: list[RewardInput]) -> list[RewardResult]:
         """Each of `inps` (samples of one row) scored by every function and combined: a TRL-style one in one
@@ -515,6 +609,24 @@ class RewardPool:
                 res = (await self._remote([inp], False))[0]
         self.guard.observe(inp, res)
         return res
+
+    def fast(self) -> bool:
+        """Whether the samples of a group that finish together go to `score_each`: the rollouter's own
+        scoring processes (`reward.workers=0`) with a fast reward (`FAST_REWARD_S`, timed on its samples)."""
+        return self.procs is not None and self.procs.fast()
+
+    async def score_each(self, inps: list[RewardInput]) -> list[RewardResult]:
+        """Each of `inps` (samples of one row that finished together) scored as `score` scores it: with a fast
+        reward (`fast`), all in one request a function; else each in its own call, at once."""
+        if self.procs is None or not inps or not self.procs.fast():
+            return list(await asyncio.gather(*[self.score(inp) for inp in inps]))
+        async with self.sem:
+            self.procs.resolve(inps[0].data_source)
+            loop = asyncio.get_running_loop()
+            results = await loop.run_in_executor(self.executor, self.procs.score_each, inps)
+        for inp, res in zip(inps, results, strict=True):
+            self.guard.observe(inp, res)
+        return results
 
     async def batched(self, data_source: str) -> bool:
         """Whether `data_source`'s samples are scored a group at a time (a TRL-style function): the generator

@@ -1,7 +1,8 @@
 """The scoring process's side (app/rewards/pool.py starts it): length-prefixed JSON requests on its stdin,
 replies on its stdout, what the reward prints on its stderr. It dies with the thread that started it
 (parent-death signal), keeps under its memory limit (RLIMIT_DATA), resolves reward functions per data source
-and evaluates one request at a time (one sample, or a group for a TRL-style function)."""
+and evaluates one request at a time (one sample; a group for a TRL-style function; or several samples one
+after the other, replying to each as it is scored). A sample's reply says how long its reward took."""
 
 from __future__ import annotations
 
@@ -113,8 +114,23 @@ def child_main() -> None:
         elif msg["op"] == "score_group":  # a TRL-style function on a whole group: one result per sample
             inps = [RewardInput(**d) for d in msg["inputs"]]
             reply = {"results": [asdict(r) for r in evaluate_group(fns[ds], inps, init["on_error"])]}
+        elif msg["op"] == "score_each":  # samples one after the other, a reply each as it is scored
+            for d in msg["inputs"]:
+                _reply(proto_out, _timed(fns[ds], RewardInput(**d), init["on_error"]))
+            continue
         else:
-            reply = asdict(evaluate(fns[ds], RewardInput(**msg["input"]), init["on_error"]))
-        _flush_output()
-        data = json.dumps(reply).encode()
-        os.write(proto_out, HEADER.pack(len(data)) + data)
+            reply = _timed(fns[ds], RewardInput(**msg["input"]), init["on_error"])
+        _reply(proto_out, reply)
+
+
+def _timed(fn: RewardCall, inp: RewardInput, on_error: float) -> dict[str, Any]:
+    """`inp`'s result as a reply, with the seconds the reward took (`elapsed_s`)."""
+    t0 = time.monotonic()
+    res = asdict(evaluate(fn, inp, on_error))
+    return {**res, "elapsed_s": time.monotonic() - t0}
+
+
+def _reply(fd: int, reply: dict[str, Any]) -> None:
+    _flush_output()
+    data = json.dumps(reply).encode()
+    os.write(fd, HEADER.pack(len(data)) + data)

@@ -1,7 +1,8 @@
 """One prompt's GRPO group: generate its samples through a `GenerateFn`, score each as it finishes.
 
 A group is one request for its `n` samples (`rollout.group_requests`), or each sample is its own request,
-whose reward then starts the moment it finishes while the rest of the group is still generating. A reward
+whose reward then starts the moment it finishes while the rest of the group is still generating (a group
+request's samples, finished together, a fast reward scores in one call: `EachScore`). A reward
 that sees a whole group at once (TRL's batched functions: a `GroupScore` says which) scores the group in one
 call when its last sample finishes. Where generation runs is behind `GenerateFn` (an async callable taking a
 `GenerateRequest` and returning a `GenerateResponse` with `n` samples): in production a thin wrapper over the
@@ -61,6 +62,16 @@ class GroupScore(Protocol):
     async def score_group(self, inps: list[RewardInput]) -> list[RewardResult]: ...
 
 
+@runtime_checkable
+class EachScore(Protocol):
+    """A reward stage that may score the samples of a group that finish together in one call (app/rewards/
+    pool.py `RewardPool`: a fast reward, one request to its scoring process for all of them)."""
+
+    def fast(self) -> bool: ...
+
+    async def score_each(self, inps: list[RewardInput]) -> list[RewardResult]: ...
+
+
 class RefFill(Protocol):
     async def fill(self, group: Group) -> None: ...
 
@@ -99,6 +110,7 @@ class GroupGenerator:
         or is a `GroupScore` that may score a whole group at once."""
         self.generate, self._decode = generate, decode
         self.groups = score if isinstance(score, GroupScore) else None
+        self.each = score if isinstance(score, EachScore) else None
         self.score: ScoreFn = score.score if isinstance(score, GroupScore) else score
         self.rollout, self.reward, self.seed = rollout, reward, seed
         self.partial = partial_policy(rollout.partial)
@@ -270,11 +282,15 @@ class GroupGenerator:
                 )
             for s in resp.samples:
                 s.replica = s.replica or resp.replica
-            return list(
-                await asyncio.gather(
-                    *[self._finish(prompt, r, s, score_now) for r, s in zip(reqs, resp.samples, strict=True)]
-                )
+            # they finish together: a fast reward scores them in one call (none is continued after a push)
+            together = score_now and self.each is not None and not self.partial.resubmits and self.each.fast()
+            outs = await asyncio.gather(
+                *[
+                    self._finish(prompt, r, s, score_now and not together)
+                    for r, s in zip(reqs, resp.samples, strict=True)
+                ]
             )
+            return await self._score_together(prompt, list(outs)) if together else list(outs)
         partial = prompt.partial
         return list(
             await asyncio.gather(
@@ -284,6 +300,17 @@ class GroupGenerator:
                 ]
             )
         )
+
+    async def _score_together(
+        self, prompt: Prompt, outs: list[tuple[Sample, RewardResult | None]]
+    ) -> list[tuple[Sample, RewardResult | None]]:
+        """A group's finished samples scored in one `score_each` call (one a freeze left aborted unscored)."""
+        assert self.each is not None
+        done = [i for i, (s, _) in enumerate(outs) if not (self.freezing and s.finish_reason == "abort")]
+        results = await self.each.score_each([RewardInput.of(prompt, outs[i][0].text) for i in done])
+        for i, res in zip(done, results, strict=True):
+            outs[i] = (outs[i][0], res)
+        return outs
 
     async def _sample(
         self, prompt: Prompt, req: GenerateRequest, sample: Sample | None, score_now: bool
