@@ -24,7 +24,7 @@ from app.preflight import load_config
 def test_defaults_validate():
     cfg = load_config()
     assert cfg.algorithm.mode == "sync"
-    assert cfg.train.workers == 2
+    assert cfg.train.workers == 1
 
 
 def test_overrides_and_types():

@@ -525,6 +525,7 @@ def test_custom_resources_pin_roles_and_are_checked_per_node():
         None,
         [
             "rollout.max_replicas=2",
+            "train.workers=2",
             "resources.rollout_custom={rollout_node: 0.01}",
             "resources.train_custom={train_node: 0.5}",
         ],

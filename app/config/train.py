@@ -14,8 +14,9 @@ class TrainConfig(_Section):
     steps: int = 60
     """Training steps (= weight versions) of the run: each trains one batch (`algorithm.ppo_epochs` x
     mini-batches optimizer steps, one by default)."""
-    workers: int = 2
-    """Ray Train workers (FSDP2 ranks)."""
+    workers: int = 1
+    """Ray Train workers (FSDP2 ranks). One by default: a small CPU job's ranks cost start-up and per-step
+    messages, not compute; the GPU presets and `resources.train_gpus` set more."""
     worker_cpus: float = 1.0
     """Logical CPUs per Ray Train worker."""
     use_gpu: bool = False

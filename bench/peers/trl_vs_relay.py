@@ -32,8 +32,8 @@ Not held equal (no setting reaches them):
   TRL (one iteration per batch, no vLLM) takes the trainer's own, detached (the ratio is exactly 1).
 - the advantage's std: Relay divides by the group's population std + 1e-6, TRL by the sample std + 1e-4
   (a constant factor of sqrt(7/8) with 8 samples, which Adam mostly absorbs).
-- the placement: Relay trains on 2 FSDP workers of 1 CPU each beside a vLLM replica (Ray), TRL in one
-  process with torch's default threads.
+- the placement: Relay trains on one FSDP2 worker of 1 CPU (`train.workers=1`) beside a vLLM replica
+  (Ray), TRL in one process with torch's default threads.
 - the end: Relay saves its final weights and a checkpoint of the whole pipeline; TRL saves its final model.
 - the start: TRL imports vLLM where it is installed (it is, for Relay), even with `use_vllm=False`.
 

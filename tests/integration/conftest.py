@@ -265,7 +265,9 @@ def async_keep_run(ray_cluster, cache_dir, tmp_path_factory) -> dict:
     from tests.integration.test_async import EVAL_VALIDATION, async_run
 
     root = tmp_path_factory.mktemp("async-keep")
-    return async_run(ray_cluster, cache_dir, root, "keep", "decoupled", 1.0, "train", *EVAL_VALIDATION)
+    return async_run(
+        ray_cluster, cache_dir, root, "keep", "decoupled", 1.0, "train", "train.workers=2", *EVAL_VALIDATION
+    )
 
 
 @pytest.fixture(scope="session")

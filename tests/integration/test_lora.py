@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tests.integration.conftest import REPO, train_cmd
 
-SMALL = ("train.batch_groups=4", "rollout.n=4", "data.val_size=8", "algorithm.val_every=2")
+SMALL = ("train.batch_groups=4", "rollout.n=4", "data.val_size=8", "algorithm.val_every=2", "train.workers=2")
 
 
 def _run(ray_cluster, cache_dir, tmp_path, name: str, *extra: str, resume: str = "") -> dict:

@@ -55,6 +55,7 @@ def test_worker_kill_then_stop_and_resume_trains_each_prompt_once(ray_cluster, c
         "rollout.max_inflight=8",
         "rollout.max_num_seqs=4",  # generation is the bottleneck: groups are always in flight
         "train.steps=1000",  # the data (112 prompts, one epoch) ends the run
+        "train.workers=2",  # two FSDP2 ranks: a sharded checkpoint, a rank's worker killed
         "train.save_every=2",
         "train.max_failures=1",
         f"data.train={tmp_path / 'train.jsonl'}",
