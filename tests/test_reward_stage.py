@@ -122,8 +122,8 @@ def test_the_reward_after_a_killed_one_runs_in_a_warm_spare():
 
 def test_a_fast_rewards_samples_share_one_request_and_a_hang_among_them_keeps_the_others():
     """`score_each`: a fast reward's samples go to one scoring process in one request, a reply each; the
-    one that hangs is killed at its own deadline, those before it keep their results and those after it
-    are scored in another process."""
+    one that hangs is killed at its own deadline (one that ends its process is a crash), those before it
+    keep their results and those after it are scored in another process."""
     procs = RewardProcesses("tests.test_rewards:pid_or_hang", timeout_s=1.0, on_error=-1.0)
     try:
         assert not procs.fast  # nothing timed yet
@@ -138,6 +138,9 @@ def test_a_fast_rewards_samples_share_one_request_and_a_hang_among_them_keeps_th
         pids = [int(r.extras.get("pid", 0)) for r in got]
         assert pids[0] == pids[1] == procs.killed[-1]  # the hung sample's process, killed
         assert pids[3] == pids[4] and pids[3] not in (0, pids[0])
+        got = procs.score_each([sample(r, "a") for r in ("a", "die", "a")])  # the process dies mid-request
+        assert [(r.score, r.error) for r in got] == [(1.0, None), (-1.0, "crash"), (1.0, None)]
+        assert got[0].extras["pid"] != got[2].extras["pid"]  # the one after it, in another process
     finally:
         procs.close()
 

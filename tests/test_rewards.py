@@ -290,9 +290,11 @@ def boom(response: str, answer: str) -> float:
 
 
 def pid_or_hang(response: str, answer: str) -> dict:
-    """1.0 and the scoring process's pid; "hang" never returns."""
+    """1.0 and the scoring process's pid; "hang" never returns, "die" ends the process."""
     while response == "hang":
         time.sleep(1)
+    if response == "die":
+        os._exit(3)
     return {"score": 1.0, "pid": float(os.getpid())}
 
 

@@ -177,9 +177,10 @@ def test_metrics_of_a_fast_loop_share_one_log_batch_and_close_does_not_wait_out_
     assert t.close(timeout_s=30)
     assert time.monotonic() - t0 < tracking.METRICS_LINGER_S  # the last call did not linger
     assert batches == [[1, 2, 3], [4]]
+    t.metrics({"loss": 5.0}, 5)  # after the end: dropped and counted, never left waiting
+    assert batches == [[1, 2, 3], [4]] and t.writer.dropped == 1 and t._buffer.count() == 0
     history = MlflowClient(uri).get_metric_history(t.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
-    assert t.writer.dropped == 0
 
 
 def test_one_refused_metric_drops_only_itself(tmp_path):

@@ -621,6 +621,7 @@ class Tracker:
         try:
             return self.writer.close(timeout_s, give_up_s)
         finally:
+            self._buffer.take()  # what a dropped flush left (counted): a later call is dropped as "closed"
             self.sinks.close()
 
     def end(self, status: str = "FINISHED") -> bool:
