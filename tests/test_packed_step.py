@@ -6,6 +6,7 @@ and gradients to 1e-5, in every loss aggregation mode, with an in-trainer refere
 every packable architecture (Llama, Mistral, Qwen2, Qwen3); any other architecture trains padded.
 """
 
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -162,6 +163,42 @@ def _rows() -> list[Row]:
         lps = (-torch.rand(n, generator=g) * 4).tolist()
         out.append(Row(prompt, resp, lps, (-1.0) ** i * (0.5 + 0.1 * i), [0] * n))
     return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_per_seq_attention_batches_sequences_of_one_length_and_equals_one_call_each(window):
+    """`per_seq` packed attention: sequences of one length go through one sdpa call together; output and
+    gradients equal a causal sdpa call on each sequence alone (GQA: 4 query heads, 2 key/value heads; a
+    sliding window of 5 bands the sequences longer than it)."""
+    from app.trainer.packing import LengthGroups, PackedSeqs, _band, _per_seq
+
+    lens = [3, 7, 3, 7, 7, 2, 9, 3]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, cu[-1], 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, cu[-1], 8, generator=gen, requires_grad=True) for _ in range(2))
+    p = PackedSeqs(cu=torch.tensor(cu, dtype=torch.int32), cu_host=cu, max_len=max(lens), mode="per_seq")
+    assert p.groups(q.device).sizes == [(3, 3), (7, 3), (2, 1), (9, 1)]  # 4 calls, not 8
+    got = _per_seq(q, k, v, p, None, window)
+    want = []
+    for a, b in itertools.pairwise(cu):
+        band = _band(b - a, window, q.device) if window is not None and b - a > window else None
+        sl = [x[:, :, a:b] for x in (q, k, v)]
+        want.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                *sl, attn_mask=band, is_causal=band is None, enable_gqa=True
+            )
+        )
+    want = torch.cat(want, dim=2).transpose(1, 2)
+    assert got.shape == (1, cu[-1], 4, 8)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    weights = torch.randn(got.shape, generator=gen)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    for g, w in zip(grads, torch.autograd.grad((want * weights).sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert LengthGroups.of([0, 2, 5, 9], q.device).perm is None  # every length once: no reordering
 
 
 def test_packed_forward_matches_padded(tmp_path):

@@ -43,8 +43,8 @@ class TrainConfig(_Section):
     """Compute `actor/entropy` (one more pass over each chunk of logits)."""
     packed_attention: Literal["auto", "varlen", "per_seq"] = "auto"
     """Attention of packed micro-batches: `varlen` (FlashAttention's variable-length kernel through
-    torch.nn.attention.varlen; CUDA, bf16), `per_seq` (one causal sdpa call per sequence; any device), `auto`
-    (varlen where it applies, else per_seq)."""
+    torch.nn.attention.varlen; CUDA, bf16), `per_seq` (causal sdpa inside each sequence, one call a sequence
+    length; any device), `auto` (varlen where it applies, else per_seq)."""
     reshard_after_forward: bool = True
     """FSDP2: free each decoder layer's gathered parameters after its forward (and gather again for the
     backward); false keeps them, trading memory for one all-gather per layer and step."""

@@ -18,8 +18,11 @@ packed calls:
 
 * ``varlen``: `torch.nn.attention.varlen.varlen_attn` (FlashAttention's varlen kernel: one call over
   every sequence, causal inside each), on CUDA in bf16/fp16;
-* ``per_seq``: one causal `scaled_dot_product_attention` per sequence (exact on any device and dtype; the
-  CPU path, and the GPU fallback where varlen is missing).
+* ``per_seq``: causal `scaled_dot_product_attention` inside each sequence, the sequences of one length
+  batched into one call (gathered by one index_select, put back by another: `LengthGroups`); exact on any
+  device and dtype; the CPU path, and the GPU fallback where varlen is missing. A packed row of a step's
+  short answers holds a few lengths, so a few calls, not one a sequence (whose slices' backward would each
+  zero-fill the whole row).
 
 ``auto`` takes varlen where it applies, else per_seq. A layer's sliding window (Mistral, Qwen2/Qwen3 sliding
 layers) applies inside each sequence. Calls without a `PackedSeqs` (padded batches: the reference forward,
@@ -39,7 +42,7 @@ import functools
 import inspect
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +63,38 @@ class PackedSeqs:
     cu_host: list[int]
     max_len: int
     mode: str = "auto"
+    _groups: dict[torch.device, LengthGroups] = field(default_factory=dict, repr=False, compare=False)
+
+    def groups(self, device: torch.device) -> LengthGroups:
+        """The row's sequences by length (built once a row, for every layer's attention)."""
+        if device not in self._groups:
+            self._groups[device] = LengthGroups.of(self.cu_host, device)
+        return self._groups[device]
+
+
+@dataclass
+class LengthGroups:
+    """A packed row's sequences grouped by length: `sizes` (length, count) in the order of `perm`, the row's
+    token positions laid out group after group (each group's sequences one after the other); `inv` puts them
+    back. Both None where that order is the row's own (every length once, in order)."""
+
+    sizes: list[tuple[int, int]]
+    perm: torch.Tensor | None
+    inv: torch.Tensor | None
+
+    @classmethod
+    def of(cls, cu_host: list[int], device: torch.device) -> LengthGroups:
+        starts: dict[int, list[int]] = {}
+        for a, b in itertools.pairwise(cu_host):
+            starts.setdefault(b - a, []).append(a)
+        order = [i for n, group in starts.items() for a in group for i in range(a, a + n)]
+        sizes = [(n, len(group)) for n, group in starts.items()]
+        if order == list(range(len(order))):
+            return cls(sizes, None, None)
+        perm = torch.tensor(order, dtype=torch.long)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(len(order))
+        return cls(sizes, perm.to(device), inv.to(device))
 
 
 # ---------------------------------------------------------------- which models
@@ -271,22 +306,28 @@ def _per_seq(
     scale: Any,
     window: int | None,
 ) -> torch.Tensor:
-    outs = []
-    for a, b in itertools.pairwise(p.cu_host):
+    """Attention inside each sequence of `[1, heads, T, dim]` inputs: one causal sdpa call a sequence length,
+    on that length's sequences stacked as a batch (`LengthGroups`). Returns `[1, T, heads, dim]`."""
+    g = p.groups(query.device)
+    q, k, v = (x if g.perm is None else x.index_select(2, g.perm) for x in (query, key, value))
+    outs, at = [], 0
+    for n, count in g.sizes:
+
+        def part(x: torch.Tensor, at: int = at, n: int = n, count: int = count) -> torch.Tensor:
+            # [1, heads, count * n, dim] -> [count, heads, n, dim]
+            return x[0, :, at : at + n * count].unflatten(1, (count, n)).transpose(0, 1)
+
         # only a sequence longer than the window needs a mask (its own [n, n], never the row's [T, T])
-        band = _band(b - a, window, query.device) if window is not None and b - a > window else None
-        outs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, a:b],
-                key[:, :, a:b],
-                value[:, :, a:b],
-                attn_mask=band,
-                is_causal=band is None,
-                scale=scale,
-                enable_gqa=True,
-            )
+        band = _band(n, window, query.device) if window is not None and n > window else None
+        o = torch.nn.functional.scaled_dot_product_attention(
+            part(q), part(k), part(v), attn_mask=band, is_causal=band is None, scale=scale, enable_gqa=True
         )
-    return torch.cat(outs, dim=2).transpose(1, 2)  # [1, T, heads, dim]
+        outs.append(o.transpose(0, 1).flatten(1, 2))  # [heads, count * n, dim]
+        at += n * count
+    out = torch.cat(outs, dim=1).unsqueeze(0)  # [1, heads, T, dim] in the groups' order
+    if g.inv is not None:
+        out = out.index_select(2, g.inv)
+    return out.transpose(1, 2)  # [1, T, heads, dim]
 
 
 def packed_attention(
